@@ -1,0 +1,1 @@
+"""Inference engines behind one small interface (see base.py)."""

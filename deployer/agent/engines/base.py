@@ -1,0 +1,92 @@
+"""The one interface the agent's server, hot swap and smoke tests use to run a model.
+
+An engine loads one artifact directory, warms up, turns chat messages or text into tokens,
+streams generated tokens, describes itself, and unloads. The server never knows which
+implementation (torch, llama.cpp) it is talking to.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a conversation, as the OpenAI API sends it."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 means greedy; `seed` makes sampling repeatable."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of generation: the new text (may be empty mid-character) and, at the end, why."""
+
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None  # None while running; "stop" or "length" on the last event
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What /v1/models and /metrics report about the loaded model."""
+
+    engine: str  # "torch" | "llama.cpp"
+    model: str
+    version: str
+    quantization: str  # e.g. "int8", "int4-g128", "layered", "fp16"
+    kernel: str  # the matmul path in use, e.g. "aten._weight_int8pack_mm" or "dequant+linear"
+    device: str  # "cpu" | "cuda"
+    context_length: int
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """A loaded model. Not thread-safe: the server runs one generation at a time per engine
+    unless `max_concurrent` says otherwise, and serializes calls itself."""
+
+    @abc.abstractmethod
+    def load(self, artifact_dir: Path) -> None:
+        """Load the artifact (memory-mapped where possible). Raises SitsError subclasses on bad input."""
+
+    @abc.abstractmethod
+    def warmup(self) -> None:
+        """Run a short generation so the first real request does not pay one-time costs."""
+
+    @abc.abstractmethod
+    def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Format messages with the model's own chat template and tokenize them."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Tokenize plain text (for /v1/completions)."""
+
+    @abc.abstractmethod
+    def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
+        """Generate from `prompt`, yielding one event per token; the last has a finish_reason.
+
+        Stop strings end generation with finish_reason "stop" and are not included in the text.
+        Closing the iterator early (client gone) must release the engine promptly.
+        """
+
+    @abc.abstractmethod
+    def describe(self) -> EngineInfo:
+        """Facts about the loaded model and the kernels in use."""
+
+    @abc.abstractmethod
+    def unload(self) -> None:
+        """Free the model's memory. The engine cannot be used afterwards."""

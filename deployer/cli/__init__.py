@@ -1,0 +1,1 @@
+"""The `sits-deployer` command line: thin click commands, one module per command group."""

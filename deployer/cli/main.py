@@ -1,0 +1,87 @@
+"""Root of `sits-deployer`: global flags, lazy subcommands, and the one place errors become exit codes."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import click
+
+from deployer import __version__
+from deployer.cli.common import console
+from deployer.errors import SitsError
+
+# name -> "module:function". Loaded on use, so `validate` never pays for importing torch.
+COMMANDS: dict[str, str] = {
+    "init": "deployer.cli.config_cmds:init",
+    "validate": "deployer.cli.config_cmds:validate",
+    "schema": "deployer.cli.config_cmds:schema",
+    "build": "deployer.cli.build_cmds:build",
+    "keygen": "deployer.cli.release_cmds:keygen",
+    "sign": "deployer.cli.release_cmds:sign",
+    "verify": "deployer.cli.release_cmds:verify",
+    "delta": "deployer.cli.release_cmds:delta",
+    "patch-apply": "deployer.cli.release_cmds:patch_apply",
+    "release": "deployer.cli.release_cmds:release",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported only when invoked (or listed in --help)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(name for name in COMMANDS if _available(name))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None or not _available(cmd_name):
+            return None
+        module, _, attr = target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except SitsError as exc:
+            report_error(exc)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            console().print("[red]error:[/red] interrupted")
+            sys.exit(130)
+
+
+def _available(name: str) -> bool:
+    module = COMMANDS[name].partition(":")[0]
+    return importlib.util.find_spec(module) is not None
+
+
+def report_error(exc: SitsError) -> None:
+    """Print an error and its hint to stderr, never a traceback."""
+    console().print(f"[red]error:[/red] {exc.message}", markup=True)
+    if exc.hint:
+        console().print(f"[yellow]hint:[/yellow] {exc.hint}")
+
+
+@click.group(
+    cls=LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    epilog="Examples:\n\n  sits-deployer init my-fleet\n\n  sits-deployer validate -f deploy.yaml\n\n"
+    "  sits-deployer build -f deploy.yaml",
+)
+@click.version_option(__version__, "--version", prog_name="sits-deployer")
+@click.option("-v", "--verbose", count=True, help="More detail on stderr (repeatable).")
+@click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr.")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
+    """Declarative edge deployment and OTA updates for quantized LLMs.
+
+    A deploy.yaml names the model, its quantization, the devices, the rollout strategy
+    and the hooks; sits-deployer makes the fleet match it.
+    """
+    ctx.obj = {"verbosity": -1 if quiet else verbose}
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="sits-deployer")
