@@ -194,3 +194,8 @@ _TINY_CORPUS = (
     "are verified on the device before they are installed. Hello, how are you today? "
     "I am fine, thank you. What is two plus two? Two plus two is four. "
 )
+
+
+if __name__ == "__main__":
+    # `python -m deployer.build.demo_model`: prepare (or find) the cached demo model, print its path.
+    print(prepare_smollm2())

