@@ -1,0 +1,101 @@
+"""Planner cases as data: facts in, expected steps out."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployer.plan import DesiredState, DeviceFacts, DeviceStatus, StepKind, make_plan, plan_device
+
+UNITS = {"sits-agent.service": "u1", "sits-rollback.service": "u2"}
+DESIRED = DesiredState(
+    version="1.1.0",
+    artifact_sha256="new",
+    artifact_bytes=1000,
+    agent_version="0.1.0",
+    unit_hashes=UNITS,
+    patches={"old": 100},
+    hooks=frozenset({"pre-deploy", "post-deploy"}),
+)
+CURRENT = dict(
+    reachable=True,
+    agent_version="0.1.0",
+    model_version="1.0.0",
+    model_sha256="old",
+    unit_hashes=UNITS,
+    free_disk_bytes=10_000,
+    ready=True,
+)
+K = StepKind
+MOVE = [K.INSTALL, K.RELOAD, K.HEALTH_GATE]
+
+CASES = {
+    "up to date": (
+        dict(CURRENT, model_version="1.1.0", model_sha256="new"),
+        DeviceStatus.UNCHANGED,
+        [],
+    ),
+    "patch from the installed base": (
+        CURRENT,
+        DeviceStatus.CHANGE,
+        [K.PRE_DEPLOY_HOOK, K.SEND_PATCH, *MOVE, K.POST_DEPLOY_HOOK],
+    ),
+    "unknown base gets the full artifact": (
+        dict(CURRENT, model_sha256="other"),
+        DeviceStatus.CHANGE,
+        [K.PRE_DEPLOY_HOOK, K.SEND_ARTIFACT, *MOVE, K.POST_DEPLOY_HOOK],
+    ),
+    "fresh device: bootstrap, units, full artifact": (
+        dict(reachable=True, free_disk_bytes=10_000),
+        DeviceStatus.CHANGE,
+        [K.PRE_DEPLOY_HOOK, K.BOOTSTRAP, K.WRITE_UNITS, K.SEND_ARTIFACT, *MOVE, K.POST_DEPLOY_HOOK],
+    ),
+    "only a unit changed: no hooks, no model steps": (
+        dict(
+            CURRENT,
+            model_version="1.1.0",
+            model_sha256="new",
+            unit_hashes={**UNITS, "sits-agent.service": "x"},
+        ),
+        DeviceStatus.CHANGE,
+        [K.WRITE_UNITS],
+    ),
+    "installed but not ready: reload only": (
+        dict(CURRENT, model_version="1.1.0", model_sha256="new", ready=False),
+        DeviceStatus.CHANGE,
+        [K.PRE_DEPLOY_HOOK, K.RELOAD, K.POST_DEPLOY_HOOK],
+    ),
+    "offline": (dict(reachable=False, error="connection refused"), DeviceStatus.OFFLINE, []),
+    "not enough disk": (dict(CURRENT, free_disk_bytes=500), DeviceStatus.BLOCKED, []),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_cases(name: str) -> None:
+    facts_kwargs, status, kinds = CASES[name]
+    plan = plan_device(DESIRED, DeviceFacts(name="dev1", **facts_kwargs))
+    assert plan.status is status
+    assert [s.kind for s in plan.steps] == kinds
+    assert all(s.reason for s in plan.steps)
+
+
+def test_bytes_to_send_counts_the_payload() -> None:
+    patch = plan_device(DESIRED, DeviceFacts(name="a", **CURRENT))
+    full = plan_device(DESIRED, DeviceFacts(name="b", **dict(CURRENT, model_sha256="zzz")))
+    assert patch.bytes_to_send == 100
+    assert full.bytes_to_send == 1000
+
+
+def test_plan_digest_changes_when_a_device_changes() -> None:
+    facts = [DeviceFacts(name="a", **CURRENT), DeviceFacts(name="b", **CURRENT)]
+    moved = [facts[0], DeviceFacts(name="b", **dict(CURRENT, model_sha256="new"))]
+    assert make_plan(DESIRED, facts).facts_digest == make_plan(DESIRED, list(reversed(facts))).facts_digest
+    assert make_plan(DESIRED, facts).facts_digest != make_plan(DESIRED, moved).facts_digest
+
+
+def test_plan_has_changes_and_serializes() -> None:
+    done = DeviceFacts(name="a", **dict(CURRENT, model_version="1.1.0", model_sha256="new"))
+    assert not make_plan(DESIRED, [done]).has_changes
+    plan = make_plan(DESIRED, [done, DeviceFacts(name="b", **CURRENT)])
+    data = plan.to_dict()
+    assert data["has_changes"] is True
+    assert [d["status"] for d in data["devices"]] == ["unchanged", "change"]
