@@ -1,0 +1,292 @@
+"""Semantic checks beyond the schema: what pydantic cannot know from one field alone.
+
+Unique device names, known profiles, reachable devices, referenced files that exist, executable
+hooks, readable EC P-256 keys, selectors that select, strategy parameters that fit the fleet,
+and resources (and the model) that fit each device profile. Each check looks only at the sections
+that validated, so one broken section does not hide the problems of the others.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from deployer.config import fit
+from deployer.config.estimate import SMOLLM2_SHAPE, ModelShape, estimate_memory
+from deployer.config.findings import Finding
+from deployer.config.keyfiles import KeyProblem, private_key_problem, public_key_problem
+from deployer.config.models import (
+    AgentSettings,
+    Device,
+    Hooks,
+    ModelSpec,
+    Profile,
+    Resources,
+    Signing,
+    Strategy,
+)
+from deployer.config.sourcemap import SourceMap
+
+
+@dataclass(frozen=True)
+class CheckInput:
+    """The sections that validated (None where a section did not), and where they came from.
+
+    ``devices`` is the whole fleet in order (inline, then inventory), with None for a device
+    that did not validate; fleet-wide checks run only when every device did.
+    """
+
+    base_dir: Path
+    positions: SourceMap
+    environ: Mapping[str, str]
+    model: ModelSpec | None = None
+    signing: Signing | None = None
+    devices: list[Device | None] | None = None
+    profiles: dict[str, Profile] | None = None
+    strategy: Strategy | None = None
+    resources: Resources | None = None
+    hooks: Hooks | None = None
+    agent: AgentSettings | None = None
+
+    @property
+    def fleet(self) -> list[Device] | None:
+        """All devices, or None when any of them (or the inventory) did not validate."""
+        if self.devices is None or any(d is None for d in self.devices):
+            return None
+        return [d for d in self.devices if d is not None]
+
+    def resolve(self, relative: str) -> Path:
+        """A config path (``~`` expanded) resolved against the directory of deploy.yaml."""
+        path = Path(relative).expanduser()
+        return path if path.is_absolute() else self.base_dir / path
+
+
+def run_checks(given: CheckInput) -> list[Finding]:
+    """Every semantic finding for the sections in ``given``."""
+    findings = _device_findings(given) + _hook_findings(given) + _signing_findings(given)
+    findings += _strategy_findings(given) + fit.plausibility_findings(
+        given.profiles, given.resources, given.positions
+    )
+    shape, model_findings = _model_findings(given)
+    findings += model_findings
+    if given.fleet is not None and given.profiles is not None:
+        used = {d.profile for d in given.fleet if d.profile}
+        findings += fit.quota_findings(given.resources, given.profiles, used, given.positions)
+        if shape is not None and given.model is not None and given.agent is not None:
+            estimate = estimate_memory(shape, given.model, given.agent)
+            findings += fit.model_fit_findings(
+                given.model, estimate, given.resources, given.profiles, used, given.positions
+            )
+    return findings
+
+
+def _device_findings(given: CheckInput) -> list[Finding]:
+    if given.devices is None:
+        return []
+    findings: list[Finding] = []
+    first: dict[str, int] = {}
+    for index, device in enumerate(given.devices):
+        if device is None:
+            continue
+        at = ("fleet", "devices", index)
+        if device.name in first:
+            earlier, _ = given.positions.locate(("fleet", "devices", first[device.name], "name"))
+            findings.append(
+                given.positions.finding(
+                    (*at, "name"),
+                    f"duplicate device name '{device.name}' (also at {earlier.file}:{earlier.line})",
+                    "device names identify devices in plans and state: make them unique",
+                )
+            )
+        first.setdefault(device.name, index)
+        if device.profile and given.profiles is not None and device.profile not in given.profiles:
+            findings.append(
+                given.positions.finding(
+                    (*at, "profile"),
+                    f"unknown profile '{device.profile}'",
+                    _suggest(device.profile, list(given.profiles), "define it under profiles"),
+                )
+            )
+        if device.transport == "ssh" and not device.host:
+            findings.append(
+                given.positions.finding(
+                    (*at, "host"),
+                    f"device '{device.name}' uses ssh but has no host",
+                    "add host: <address>, or use transport: local",
+                )
+            )
+        for field in ("identity_file", "known_hosts"):
+            value = getattr(device, field)
+            if value is not None and not given.resolve(value).is_file():
+                findings.append(_missing_file(given, (*at, field), value))
+    return findings
+
+
+def _hook_findings(given: CheckInput) -> list[Finding]:
+    if given.hooks is None:
+        return []
+    findings = []
+    for name, info in Hooks.model_fields.items():
+        hook = getattr(given.hooks, name)
+        if hook is None:
+            continue
+        at = ("hooks", info.alias or name, "path")
+        path = given.resolve(hook.path)
+        if not path.is_file():
+            findings.append(_missing_file(given, at, hook.path))
+        elif not os.access(path, os.X_OK):
+            findings.append(
+                given.positions.finding(at, f"hook {hook.path} is not executable", f"chmod +x {hook.path}")
+            )
+    return findings
+
+
+def _model_findings(given: CheckInput) -> tuple[ModelShape | None, list[Finding]]:
+    """Problems with the model's files, and its shape when it could be read."""
+    model = given.model
+    if model is None:
+        return None, []
+    findings = []
+    gate = model.quality_gate
+    if gate is not None and not given.resolve(gate.eval_text).is_file():
+        findings.append(_missing_file(given, ("model", "quality_gate", "eval_text"), gate.eval_text))
+    if model.is_builtin:
+        return SMOLLM2_SHAPE, findings
+    source = given.resolve(model.source)
+    at = ("model", "source")
+    if not source.is_dir():
+        hint = f"looked for {source}; or use builtin:smollm2-135m-instruct"
+        findings.append(given.positions.finding(at, f"model directory {model.source} does not exist", hint))
+        return None, findings
+    if not any(source.glob("*.safetensors")):
+        findings.append(
+            given.positions.finding(
+                at,
+                f"model directory {model.source} has no *.safetensors weights",
+                "point source at an HF-layout directory (config.json, *.safetensors, tokenizer)",
+            )
+        )
+    try:
+        return ModelShape.from_config_json(source / "config.json"), findings
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        detail = f"missing {exc}" if isinstance(exc, KeyError) else type(exc).__name__
+        findings.append(
+            given.positions.finding(
+                at,
+                f"{model.source}/config.json is not a readable model config ({detail})",
+                "a Llama-style HF config.json is needed (hidden_size, num_hidden_layers, ...)",
+            )
+        )
+        return None, findings
+
+
+def _signing_findings(given: CheckInput) -> list[Finding]:
+    signing = given.signing
+    if signing is None:
+        return []
+    findings = []
+    for index, key in enumerate(signing.trusted_keys):
+        problem = public_key_problem(given.resolve(key), key)
+        findings += _key_finding(given, ("signing", "trusted_keys", index), problem)
+    if signing.private_key is not None:
+        problem = private_key_problem(
+            given.resolve(signing.private_key), signing.private_key, signing.passphrase_env, given.environ
+        )
+        findings += _key_finding(given, ("signing", "private_key"), problem)
+    if signing.threshold > len(signing.trusted_keys):
+        findings.append(
+            given.positions.finding(
+                ("signing", "threshold") if signing.trusted_keys else ("signing", "trusted_keys"),
+                f"threshold {signing.threshold} needs at least {signing.threshold} trusted keys, "
+                f"{len(signing.trusted_keys)} listed",
+                "list the public keys under signing.trusted_keys, or lower signing.threshold",
+            )
+        )
+    return findings
+
+
+def _key_finding(given: CheckInput, at: tuple, problem: KeyProblem | None) -> list[Finding]:
+    return [given.positions.finding(at, problem.message, problem.hint)] if problem else []
+
+
+def _strategy_findings(given: CheckInput) -> list[Finding]:
+    strategy, devices = given.strategy, given.fleet
+    if strategy is None or devices is None:
+        return []
+    findings = _misplaced_parameters(given, strategy)
+    targets = [d for d in devices if all(d.labels.get(k) == v for k, v in strategy.selector.items())]
+    if not targets:
+        labels = sorted({f"{k}={v}" for d in devices for k, v in d.labels.items()})
+        findings.append(
+            given.positions.finding(
+                ("strategy", "selector"),
+                f"selector {_labels(strategy.selector)} matches none of the {len(devices)} devices",
+                "labels in the fleet: " + (", ".join(labels) if labels else "none"),
+            )
+        )
+        return findings
+    size = len(targets)
+    too_many = [(("strategy", "batch_size"), strategy.batch_size, "batch_size")]
+    too_many.append((("strategy", "max_unavailable"), strategy.max_unavailable, "max_unavailable"))
+    too_many.append((("strategy", "failure_threshold"), strategy.failure_threshold, "failure_threshold"))
+    too_many += [
+        (("strategy", "steps", i), step, "canary step") for i, step in enumerate(strategy.steps or [])
+    ]
+    for at, value, what in too_many:
+        if isinstance(value, int) and value > size:
+            findings.append(
+                given.positions.finding(
+                    at,
+                    f"{what} {value} is more than the {size} devices the strategy targets",
+                    f"use at most {size}, or a percentage like '25%'",
+                )
+            )
+    if strategy.type == "canary" and strategy.steps:
+        counts = strategy.resolved_steps(size)
+        for index in range(1, len(strategy.steps)):
+            if counts[index] <= counts[index - 1]:
+                findings.append(
+                    given.positions.finding(
+                        ("strategy", "steps", index),
+                        f"canary step {strategy.steps[index]} does not add devices "
+                        f"({counts[index - 1]} already updated by then)",
+                        "steps are cumulative and must increase, e.g. [1, '25%', '100%']",
+                    )
+                )
+    return findings
+
+
+_PARAMETER_OWNERS = {"steps": ("canary",), "batch_size": ("rolling",), "max_unavailable": ("rolling",)}
+
+
+def _misplaced_parameters(given: CheckInput, strategy: Strategy) -> list[Finding]:
+    findings = []
+    for field, types in _PARAMETER_OWNERS.items():
+        if getattr(strategy, field) is not None and strategy.type not in types:
+            findings.append(
+                given.positions.finding(
+                    ("strategy", field),
+                    f"{field} is not used by the {strategy.type} strategy",
+                    f"remove it, or set strategy.type to {' or '.join(types)}",
+                    key=True,
+                )
+            )
+    return findings
+
+
+def _labels(selector: Mapping[str, str]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in selector.items()) + "}"
+
+
+def _missing_file(given: CheckInput, at: tuple, value: str) -> Finding:
+    return given.positions.finding(
+        at, f"file {value} does not exist", f"looked for {given.resolve(value)}; fix the path"
+    )
+
+
+def _suggest(value: str, choices: list[str], fallback: str) -> str:
+    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else fallback

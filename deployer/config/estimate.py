@@ -1,0 +1,128 @@
+"""How much memory the model needs on a device at its quantization (an estimate, for validation).
+
+weights (parameters x bytes per parameter of each module's scheme, int4 with its per-group scale
+and zero point) + KV cache (max_concurrent x max_tokens) + the engine's own overhead, with the
+weights counted twice when new and old models are held side by side during a swap.
+The shape comes from the source's config.json; the builtin demo model's shape is known here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from deployer.config.models import AgentSettings, ModelSpec, Quantization
+
+# Peak RSS beyond weights and KV cache, per engine (FACTS.md: torch paths 1.1-1.6 GB for
+# SmolLM2-135M; llama.cpp 168 MB in all). Rounded up: this guards against OOM, not for billing.
+ENGINE_OVERHEAD = {"torch": 1024 * 2**20, "llama.cpp": 128 * 2**20}
+_FLOAT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-style decoder that decide its parameter count."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def from_config_json(cls, path: Path) -> ModelShape:
+        """Read the shape from an HF config.json; raises OSError, ValueError or KeyError."""
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        heads = int(raw["num_attention_heads"])
+        return cls(
+            hidden=int(raw["hidden_size"]),
+            intermediate=int(raw["intermediate_size"]),
+            layers=int(raw["num_hidden_layers"]),
+            vocab=int(raw["vocab_size"]),
+            heads=heads,
+            kv_heads=int(raw.get("num_key_value_heads", heads)),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+            tied=bool(raw.get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def attention_params(self) -> int:
+        """Parameters of one layer's q, k, v and o projections."""
+        q_and_o = 2 * self.hidden * self.heads * self.head_dim
+        return q_and_o + 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def mlp_params(self) -> int:
+        """Parameters of one layer's gate, up and down projections."""
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embeddings plus the output head unless it is tied to them."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def params(self) -> int:
+        """All parameters, norms included."""
+        per_layer = self.attention_params + self.mlp_params + 2 * self.hidden
+        return self.embedding_params + self.layers * per_layer + self.hidden
+
+
+# SmolLM2-135M-Instruct's config.json, for `builtin:` sources that are not prepared yet.
+SMOLLM2_SHAPE = ModelShape(
+    hidden=576, intermediate=1536, layers=30, vocab=49152, heads=9, kv_heads=3, head_dim=64, tied=True
+)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one device needs to serve the model, by component."""
+
+    params: int
+    weights: int
+    kv_cache: int
+    engine: int
+    weight_copies: int
+
+    @property
+    def total(self) -> int:
+        """Everything, with the weights counted once per copy held during a swap."""
+        return self.weights * self.weight_copies + self.kv_cache + self.engine
+
+
+def weight_bytes(shape: ModelShape, quantization: Quantization) -> int:
+    """Bytes of the stored weights at ``quantization`` (see docs/artifact-format.md)."""
+    attention = _bytes_per_param(quantization, "model.layers.0.self_attn.q_proj")
+    mlp = _bytes_per_param(quantization, "model.layers.0.mlp.up_proj")
+    embedding = _FLOAT_BYTES.get(quantization.scheme, 2.0)
+    total = (
+        shape.embedding_params * embedding
+        + shape.layers * (shape.attention_params * attention + shape.mlp_params * mlp)
+        + (2 * shape.layers + 1) * shape.hidden * 4  # norms stay fp32
+    )
+    return int(total)
+
+
+def _bytes_per_param(quantization: Quantization, module: str) -> float:
+    scheme, group = quantization.scheme_for(module)
+    if scheme == "int4":
+        return 0.5 + 3 / group  # two values a byte, plus an fp16 scale and a u8 zero per group
+    if scheme == "int8":
+        return 1.0
+    return _FLOAT_BYTES[scheme]
+
+
+def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -> MemoryEstimate:
+    """The memory a device needs for ``model`` served with ``agent``'s settings."""
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2  # K and V, fp16
+    return MemoryEstimate(
+        params=shape.params,
+        weights=weight_bytes(shape, model.quantization),
+        kv_cache=kv_per_token * agent.max_tokens * agent.max_concurrent,
+        engine=ENGINE_OVERHEAD[agent.engine],
+        weight_copies=2 if agent.swap_policy == "side-by-side" else 1,
+    )

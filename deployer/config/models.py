@@ -1,0 +1,398 @@
+"""The deploy.yaml and inventory models (pydantic v2, unknown fields rejected).
+
+These are the trust boundary for configuration: everything past `deployer.config.load_config`
+works with a validated, frozen `Config`. Field names are the contract the other parts code to;
+`schemas/deploy.schema.json` is generated from these classes (`sits-deployer schema`).
+
+Shorthands: ``strategy: canary`` means ``strategy: {type: canary}``; a hook may be a bare path.
+Durations become `timedelta`, CPU becomes millicores (int), memory and disk become bytes (int).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    PlainSerializer,
+    PrivateAttr,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import core_schema
+
+from deployer.config.quantity import (
+    DURATION_PATTERN,
+    PERCENT_PATTERN,
+    QUANTITY_PATTERN,
+    format_duration,
+    parse_cpu,
+    parse_duration,
+    parse_memory,
+    parse_percent,
+)
+
+API_VERSION = "sits.dev/v1"
+BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
+SEMVER_PATTERN = (
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?$"
+)
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+DEVICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+Scheme = Literal["fp32", "fp16", "bf16", "int8", "int4", "layered"]
+GroupSize = Literal[32, 64, 128]
+StrategyType = Literal["all-at-once", "rolling", "canary", "blue-green"]
+STRATEGY_TYPES: tuple[str, ...] = ("all-at-once", "rolling", "canary", "blue-green")
+
+
+def _matches(pattern: str, what: str, example: str) -> AfterValidator:
+    """A validator with a readable message instead of pydantic's raw regex."""
+    compiled = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not compiled.match(value):
+            raise ValueError(f"{value!r} is not a valid {what}; write it like {example}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _step(value: Any) -> int | str:
+    """A canary step: a device count (>= 1) or a percentage of the fleet such as '25%'."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"a step must be at least 1 device, got {value}")
+        return value
+    if isinstance(value, str):
+        parse_percent(value)
+        return value
+    raise ValueError(f"a step is a device count or a percentage like '25%', got {value!r}")
+
+
+def _count_or_percent(value: Any) -> int | str:
+    """A device count (>= 0) or a percentage of the fleet."""
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return 0
+    return _step(value)
+
+
+_COUNT_OR_PERCENT_SCHEMA = {
+    "anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "pattern": PERCENT_PATTERN}]
+}
+Duration = Annotated[
+    timedelta,
+    BeforeValidator(parse_duration),
+    PlainSerializer(format_duration, return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "pattern": DURATION_PATTERN, "examples": ["30s", "5m"]}),
+]
+Cpu = Annotated[
+    int,
+    BeforeValidator(parse_cpu),
+    WithJsonSchema(
+        {"anyOf": [{"type": "string", "pattern": QUANTITY_PATTERN}, {"type": "number"}]},
+        mode="validation",
+    ),
+]
+Memory = Annotated[
+    int,
+    BeforeValidator(parse_memory),
+    WithJsonSchema(
+        {"anyOf": [{"type": "string", "pattern": QUANTITY_PATTERN}, {"type": "integer"}]},
+        mode="validation",
+    ),
+]
+Step = Annotated[int | str, BeforeValidator(_step), WithJsonSchema(_COUNT_OR_PERCENT_SCHEMA)]
+CountOrPercent = Annotated[
+    int | str, BeforeValidator(_count_or_percent), WithJsonSchema(_COUNT_OR_PERCENT_SCHEMA)
+]
+Semver = Annotated[
+    str,
+    _matches(SEMVER_PATTERN, "semantic version", "'1.2.0'"),
+    WithJsonSchema({"type": "string", "pattern": SEMVER_PATTERN}),
+]
+DnsName = Annotated[
+    str,
+    _matches(DNS_LABEL_PATTERN, "name (lowercase letters, digits, '-')", "'sits-prod-v3'"),
+    WithJsonSchema({"type": "string", "pattern": DNS_LABEL_PATTERN}),
+]
+DeviceName = Annotated[
+    str,
+    _matches(DEVICE_NAME_PATTERN, "device name (letters, digits, '.', '_', '-')", "'edge-01'"),
+    WithJsonSchema({"type": "string", "pattern": DEVICE_NAME_PATTERN}),
+]
+EnvName = Annotated[
+    str,
+    _matches(ENV_NAME_PATTERN, "environment variable name", "'SITS_SIGNING_PASSPHRASE'"),
+    WithJsonSchema({"type": "string", "pattern": ENV_NAME_PATTERN}),
+]
+FilePath = Annotated[str, Field(min_length=1)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class BareString:
+    """Annotation: accept a bare string as shorthand for ``{key: string}`` (and say so in the schema)."""
+
+    def __init__(self, key: str, short: dict[str, Any]) -> None:
+        self.key = key
+        self.short = short
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_before_validator_function(self._expand, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> dict[str, Any]:
+        return {"anyOf": [self.short, handler(schema)]}
+
+    def _expand(self, value: Any) -> Any:
+        return {self.key: value} if isinstance(value, str) else value
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class QuantOverride(_Model):
+    """A different scheme for the modules whose names match ``pattern`` (fnmatch, e.g. '*.mlp.*')."""
+
+    pattern: Annotated[str, Field(min_length=1)]
+    scheme: Scheme
+    group_size: GroupSize | None = None
+
+
+class Quantization(_Model):
+    """How weights are stored. ``layered``: embeddings/head fp16, attention int4, MLP int8."""
+
+    scheme: Scheme = "int8"
+    group_size: GroupSize = 128
+    overrides: list[QuantOverride] = []
+    awq: bool = False
+
+    def scheme_for(self, module: str) -> tuple[Scheme, int]:
+        """(scheme, group size) of a linear module such as 'model.layers.0.mlp.up_proj'.
+
+        The first override whose pattern matches wins; then ``layered`` picks int4 for attention
+        and int8 for MLP modules (anything else fp16); otherwise the top-level scheme applies.
+        """
+        for override in self.overrides:
+            if fnmatch.fnmatchcase(module, override.pattern):
+                return override.scheme, override.group_size or self.group_size
+        if self.scheme == "layered":
+            if ".self_attn." in module:
+                return "int4", self.group_size
+            return ("int8" if ".mlp." in module else "fp16"), self.group_size
+        return self.scheme, self.group_size
+
+
+class QualityGate(_Model):
+    """Limits the quantized model must stay within, measured on ``eval_text``, or the build fails."""
+
+    eval_text: FilePath
+    max_tokens: Annotated[int, Field(ge=16)] = 512
+    max_perplexity_increase_pct: Annotated[float, Field(ge=0)] = 5.0
+    min_top1_agreement: Annotated[float, Field(ge=0, le=1)] = 0.9
+    max_mean_kl: Annotated[float, Field(ge=0)] | None = None
+
+
+class ModelSpec(_Model):
+    """The model to ship: an HF-layout directory (relative to deploy.yaml) or the builtin demo."""
+
+    name: DnsName
+    version: Semver
+    source: Annotated[str, Field(min_length=1)]
+    quantization: Quantization = Quantization()
+    quality_gate: QualityGate | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _known_builtin(cls, source: str) -> str:
+        if source.startswith("builtin:") and source != BUILTIN_SMOLLM2:
+            raise ValueError(f"unknown builtin model {source!r}; use {BUILTIN_SMOLLM2!r}")
+        return source
+
+    @property
+    def is_builtin(self) -> bool:
+        """True when the source is the embedded demo model rather than a directory."""
+        return self.source == BUILTIN_SMOLLM2
+
+
+class Signing(_Model):
+    """Release signing: the private key (build/release only) and the keys devices trust."""
+
+    private_key: FilePath | None = None
+    passphrase_env: EnvName = "SITS_SIGNING_PASSPHRASE"
+    trusted_keys: list[FilePath] = []
+    threshold: Annotated[int, Field(ge=1)] = 1
+    expires_in: Duration = Field(default="30d", validate_default=True)
+
+
+class Device(_Model):
+    """One edge device and how to reach it."""
+
+    name: DeviceName
+    host: str | None = None
+    port: Port = 22
+    user: Annotated[str, Field(min_length=1)] = "root"
+    identity_file: FilePath | None = None
+    known_hosts: FilePath | None = None
+    trust_on_first_use: bool = False
+    labels: dict[str, str] = {}
+    profile: str | None = None
+    transport: Literal["ssh", "local"] = "ssh"
+    root: FilePath = "/"
+    python: Annotated[str, Field(min_length=1)] = "python3"
+
+
+class Fleet(_Model):
+    """The devices, inline and/or from an inventory file (relative to deploy.yaml)."""
+
+    devices: list[Device] = []
+    inventory: FilePath | None = None
+
+    @model_validator(mode="after")
+    def _has_devices(self) -> Fleet:
+        if not self.devices and self.inventory is None:
+            raise ValueError("the fleet has no devices: list them under devices or name an inventory")
+        return self
+
+
+class Inventory(_Model):
+    """An inventory file: the same device list as ``fleet.devices``."""
+
+    api_version: Literal["sits.dev/v1"] = Field(default=API_VERSION, alias="apiVersion")
+    kind: Literal["Inventory"] = "Inventory"
+    devices: Annotated[list[Device], Field(min_length=1)]
+
+
+class Profile(_Model):
+    """A device class, e.g. jetson-orin-nx: what one such device offers."""
+
+    memory: Memory
+    cpu: Cpu | None = None
+    disk: Memory | None = None
+    accelerator: str | None = None
+
+
+class Strategy(_Model):
+    """How the fleet is updated. ``steps`` are cumulative device counts or percentages (canary)."""
+
+    type: StrategyType = "all-at-once"
+    batch_size: Annotated[int, Field(ge=1)] | None = None
+    max_unavailable: Annotated[int, Field(ge=1)] | None = None
+    steps: list[Step] | None = None
+    pause: Duration = Field(default="0s", validate_default=True)
+    analysis_window: Duration = Field(default="60s", validate_default=True)
+    failure_threshold: CountOrPercent = 1
+    auto_rollback: bool = True
+    offline: Literal["skip", "fail"] = "fail"
+    selector: dict[str, str] = {}
+
+    def resolved_steps(self, fleet_size: int) -> list[int]:
+        """Cumulative device counts per step, ending at the whole fleet (canary default 1, 50%)."""
+        raw = self.steps if self.steps is not None else [1, "50%"]
+        counts = [min(fleet_size, _count(step, fleet_size)) for step in raw]
+        return counts if counts and counts[-1] == fleet_size else [*counts, fleet_size]
+
+    def failure_limit(self, fleet_size: int) -> int:
+        """Failed devices at which the rollout halts (0 means: never halt)."""
+        return _count(self.failure_threshold, fleet_size)
+
+
+def _count(value: int | str, fleet_size: int) -> int:
+    if isinstance(value, int):
+        return value
+    return max(1, math.ceil(parse_percent(value) * fleet_size / 100))
+
+
+class Health(_Model):
+    """What 'healthy' means after an update."""
+
+    readiness_timeout: Duration = Field(default="120s", validate_default=True)
+    smoke_prompts: list[Annotated[str, Field(min_length=1)]] = ["Reply with the single word: ok"]
+    latency_budget_ms: Annotated[int, Field(ge=1)] = 5000
+
+
+class Resources(_Model):
+    """The quota the agent runs under on each device (Kubernetes notation)."""
+
+    cpu: Cpu | None = None
+    memory: Memory | None = None
+
+
+class Hook(_Model):
+    """A script run around a deployment, relative to deploy.yaml. A bare path is shorthand."""
+
+    path: FilePath
+    timeout: Duration = Field(default="5m", validate_default=True)
+
+
+HookField = Annotated[Hook | None, BareString("path", {"type": "string", "minLength": 1})]
+
+
+class Hooks(_Model):
+    """Scripts run with SITS_DEVICE, SITS_HOST, SITS_FROM_VERSION, SITS_TO_VERSION, SITS_PHASE."""
+
+    pre_deploy: HookField = Field(default=None, alias="pre-deploy")
+    post_deploy: HookField = Field(default=None, alias="post-deploy")
+    pre_rollback: HookField = Field(default=None, alias="pre-rollback")
+    post_rollback: HookField = Field(default=None, alias="post-rollback")
+
+
+class AgentSettings(_Model):
+    """The device agent's serving settings."""
+
+    engine: Literal["torch", "llama.cpp"] = "torch"
+    port: Port = 8080
+    max_concurrent: Annotated[int, Field(ge=1)] = 4
+    queue_length: Annotated[int, Field(ge=0)] = 16
+    max_tokens: Annotated[int, Field(ge=1)] = 512
+    swap_policy: Literal["side-by-side", "unload-first", "auto"] = "auto"
+
+
+class Config(_Model):
+    """A whole deploy.yaml (with inventory devices merged into ``fleet.devices``)."""
+
+    api_version: Literal["sits.dev/v1"] = Field(default=API_VERSION, alias="apiVersion")
+    kind: Literal["Deployment"] = "Deployment"
+    application: DnsName
+    namespace: DnsName = "default"
+    model: ModelSpec
+    signing: Signing | None = None
+    fleet: Fleet
+    profiles: dict[str, Profile] = {}
+    strategy: Annotated[Strategy, BareString("type", {"type": "string", "enum": list(STRATEGY_TYPES)})] = (
+        Strategy()
+    )
+    health: Health = Health()
+    resources: Resources = Resources()
+    hooks: Hooks = Hooks()
+    agent: AgentSettings = AgentSettings()
+
+    _path: Path | None = PrivateAttr(default=None)
+
+    @property
+    def base_dir(self) -> Path:
+        """The directory relative paths in this config are resolved against."""
+        return self._path.parent if self._path is not None else Path.cwd()
+
+    def resolve(self, relative: str) -> Path:
+        """A path from this config (``~`` expanded) resolved against `base_dir`."""
+        path = Path(relative).expanduser()
+        return path if path.is_absolute() else self.base_dir / path
