@@ -9,8 +9,9 @@ VENV="${SITS_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 
 # Debian packages the tests and benchmarks use: xdelta3/zstd (delta anchors in bench/),
+# systemd-container/debootstrap/iproute2/openssh-client (the device lab in tests/lab/),
 # systemd (systemd-analyze verify for our units).
-APT_PACKAGES=(python3-venv xdelta3 zstd systemd)
+APT_PACKAGES=(python3-venv xdelta3 zstd systemd systemd-container debootstrap openssh-client iproute2)
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 

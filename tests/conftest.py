@@ -8,6 +8,9 @@ import pytest
 
 from deployer.build.demo_model import make_tiny_checkpoint, prepare_smollm2
 
+# The device lab (session-scoped, one per machine): loaded once here for every test folder.
+pytest_plugins = ["tests.lab.fixtures"]
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

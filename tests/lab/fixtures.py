@@ -1,0 +1,101 @@
+"""pytest fixtures for tests against the device lab (3 booted nspawn devices): a pytest plugin.
+
+Network safety: the lab is brought up in the root namespace (guard route first), but every client
+runs inside the hub namespace: the `hub` fixture moves the test's thread there, and `ssh_to` refuses
+to open anything towards a lab address unless the calling thread is in the hub (`require_hub_for`).
+Load it once per session (`pytest_plugins` in the root conftest, or one conftest importing it):
+the `lab` fixture is session-scoped and only one lab runs on a machine at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from deployer.transport.base import RetryPolicy
+from deployer.transport.ssh import SshOptions, SshTransport
+from tests.lab.lab import TOOLS, Lab
+from tests.lab.netns import require_hub_for
+
+LAB_DEVICES = 3
+LAB_TTL_S = 2400  # the reaper tears the lab down by itself after this, or as soon as pytest dies
+
+
+def lab_unavailable() -> str | None:
+    """Why the lab cannot run here, or None."""
+    if sys.platform != "linux":
+        return "the device lab needs Linux"
+    if os.geteuid() != 0:
+        return "the device lab needs root (network namespaces, mounts, nspawn)"
+    missing = [tool for tool in (*TOOLS, "debootstrap") if not shutil.which(tool)]
+    if missing:
+        return f"the device lab needs {', '.join(missing)} (apt-get install systemd-container debootstrap)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """A running lab of 3 devices, torn down at the end of the session (or by its reaper)."""
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(reason)
+    lab = Lab(tmp_path_factory.mktemp("lab"), LAB_DEVICES)
+    report = lab.up(ttl_s=LAB_TTL_S, owner_pid=os.getpid())
+    print(f"\n[lab] rootfs {report.rootfs_s:.1f} s, spawn {report.spawn_s:.1f} s, boot {report.boot_s:.1f} s")
+    try:
+        yield lab
+    finally:
+        lab.down()
+
+
+@pytest.fixture
+def hub(lab: Lab) -> Iterator[Lab]:
+    """The lab, with this test's thread (and threads it starts) inside the hub namespace."""
+    with lab.enter_hub():
+        yield lab
+
+
+@pytest.fixture
+def lab_options(hub: Lab) -> SshOptions:
+    """SSH options for the lab: its key and known_hosts, short timeouts, fast retries."""
+    return SshOptions(
+        key_file=hub.client_key,
+        known_hosts=hub.known_hosts,
+        connect_timeout_s=3,
+        io_timeout_s=10,
+        retry=RetryPolicy(attempts=2, base_delay_s=0.2, max_delay_s=1),
+    )
+
+
+@pytest.fixture
+def ssh_to(hub: Lab, lab_options: SshOptions) -> Iterator[Callable[..., SshTransport]]:
+    """Factory: ssh_to(host, port=22, **option_overrides) -> SshTransport, closed after the test."""
+    opened: list[SshTransport] = []
+
+    def make(host: str, port: int = 22, **overrides: object) -> SshTransport:
+        require_hub_for(host)  # raises unless this thread is in the hub
+        options = SshOptions(**{**lab_options.__dict__, **overrides})
+        transport = SshTransport(host, port=port, options=options)
+        opened.append(transport)
+        return transport
+
+    yield make
+    for transport in opened:
+        transport.close()
+
+
+@pytest.fixture
+def host_key_line(lab: Lab) -> Callable[[int], tuple[str, str]]:
+    """(key type, base64) of device i's host key, read from its root filesystem on the host."""
+
+    def read(index: int) -> tuple[str, str]:
+        pub = lab.device(index).root / "etc/ssh/ssh_host_ed25519_key.pub"
+        key_type, key_b64 = Path(pub).read_text().split()[:2]
+        return key_type, key_b64
+
+    return read
