@@ -18,6 +18,7 @@ boundaries, so callers only ever catch these::
     │   ├── BaseMismatchError     the patch is for another base than the one installed
     │   └── UnsafePathError       a file name escapes its directory (.., absolute, symlink)
     ├── KeyFileError          a key file is missing, unreadable, encrypted without passphrase, wrong type
+    ├── HookError             a user hook failed, hung past its timeout, or could not start
     ├── TransportError        talking to a device failed (unreachable, auth, host key, dropped)
     │   └── HostKeyError          unknown or changed host key: never trusted silently
     └── AgentError            the device agent refused or failed an operation
@@ -27,6 +28,8 @@ This module imports nothing but the standard library: the device agent uses it t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 __all__ = [
     "AgentError",
     "BaseMismatchError",
@@ -35,6 +38,7 @@ __all__ = [
     "ExpiredError",
     "FormatError",
     "HashMismatchError",
+    "HookError",
     "HostKeyError",
     "IntegrityError",
     "KeyFileError",
@@ -123,6 +127,30 @@ class UnsafePathError(IntegrityError):
 
 class KeyFileError(SitsError):
     """A key file is missing, unreadable, of the wrong type, or needs a passphrase we do not have."""
+
+
+class HookError(SitsError):
+    """A hook could not be started, exited non-zero, or ran past its timeout.
+
+    ``exit_code`` is None when it never ran, negative when a signal ended it; ``output`` holds
+    the tail of what it printed; ``phase`` is pre-deploy, post-deploy, pre-rollback or post-rollback.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        phase: str,
+        path: Path,
+        exit_code: int | None = None,
+        output: str = "",
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.phase = phase
+        self.path = path
+        self.exit_code = exit_code
+        self.output = output
 
 
 class TransportError(SitsError):
