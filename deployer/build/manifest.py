@@ -1,0 +1,157 @@
+"""The `sits-manifest.json` of an artifact (docs/artifact-format.md) as pydantic models.
+
+Imports only pydantic and the standard library, so the device agent can read manifests with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deployer.errors import FormatError
+
+MANIFEST_NAME = "sits-manifest.json"
+FORMAT_VERSION = 1
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+# The manifest describes every file; it is small, so anything larger is refused unread.
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ModelInfo(_Strict):
+    """Which model this is."""
+
+    name: str
+    version: str
+    architecture: str
+
+
+class SourceInfo(_Strict):
+    """The source checkpoint the artifact was built from."""
+
+    sha256: str = Field(pattern=SHA256_PATTERN)
+
+
+class OverrideInfo(_Strict):
+    """One per-module override, as asked."""
+
+    pattern: str
+    scheme: str
+    group_size: int | None = None
+
+
+class SpecInfo(_Strict):
+    """The quantization spec, as asked (presets not expanded)."""
+
+    scheme: str
+    group_size: int
+    overrides: list[OverrideInfo]
+
+
+class ModuleInfo(_Strict):
+    """How one 2-D weight is stored; `in_padded` > `in` only for padded int4."""
+
+    scheme: Literal["fp32", "fp16", "bf16", "int8", "int4"]
+    group_size: int | None
+    in_features: int = Field(alias="in", ge=1)
+    in_padded: int = Field(ge=1)
+    out: int = Field(ge=1)
+
+
+class QuantizationInfo(_Strict):
+    """The spec and, per module, what it resolved to."""
+
+    spec: SpecInfo
+    modules: dict[str, ModuleInfo]
+
+
+class FileInfo(_Strict):
+    """One file of the artifact."""
+
+    sha256: str = Field(pattern=SHA256_PATTERN)
+    size: int = Field(ge=0)
+
+
+class TensorInfo(_Strict):
+    """One stored tensor; `sha256` is over its raw little-endian bytes."""
+
+    file: str
+    dtype: str
+    shape: list[int]
+    sha256: str = Field(pattern=SHA256_PATTERN)
+
+
+class PerplexityInfo(_Strict):
+    """Perplexity of the unquantized and the quantized model on the eval text."""
+
+    reference: float
+    quantized: float
+    increase_pct: float
+
+
+class QualityInfo(_Strict):
+    """What the quality gate measured."""
+
+    eval_sha256: str = Field(pattern=SHA256_PATTERN)
+    tokens: int
+    perplexity: PerplexityInfo
+    top1_agreement: float
+    mean_kl: float
+
+
+class BuilderInfo(_Strict):
+    """What built it."""
+
+    name: str
+    version: str
+
+
+class ArtifactManifest(_Strict):
+    """The whole manifest. Its canonical bytes' sha256 is the artifact id."""
+
+    format_version: Literal[1]
+    kind: Literal["sits-artifact"]
+    model: ModelInfo
+    source: SourceInfo
+    quantization: QuantizationInfo
+    files: dict[str, FileInfo]
+    tensors: dict[str, TensorInfo]
+    quality: QualityInfo | None
+    builder: BuilderInfo
+
+    def to_json(self) -> dict:
+        """The JSON object (with the manifest's own key names, e.g. "in")."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def parse_manifest(data: bytes, where: str) -> ArtifactManifest:
+    """Parse manifest bytes; raises FormatError naming `where` and the first problem."""
+    try:
+        return ArtifactManifest.model_validate(json.loads(data.decode("utf-8")))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{where}: not valid JSON ({exc})") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise FormatError(
+            f"{where}: invalid manifest at {loc or '<root>'}: {first['msg']}",
+            hint="the artifact is corrupt or from an incompatible builder; rebuild it",
+        ) from exc
+
+
+def read_manifest(artifact_dir: Path) -> ArtifactManifest:
+    """Read and validate `<artifact_dir>/sits-manifest.json`. Raises FormatError."""
+    path = artifact_dir / MANIFEST_NAME
+    try:
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise FormatError(f"{path}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read manifest ({exc.strerror or exc})") from exc
+    return parse_manifest(data, str(path))

@@ -1,0 +1,237 @@
+"""`build_artifact`: source model -> quantized, quality-gated artifact in the local store.
+
+Steps: validate the source; hash it; look the inputs up in the build cache (a hit does no work,
+but its recorded quality is still judged against today's limits); otherwise quantize tensor by
+tensor into a staging directory, copy the config and tokenizer files, run the quality gate,
+write the manifest and rename the directory into the store. Any failure leaves nothing in
+artifacts/ and no cache entry.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deployer import __version__
+from deployer.build import quality
+from deployer.build.artifact import (
+    WEIGHTS_NAME,
+    WeightsWriter,
+    copy_files,
+    file_records,
+    load_state_dict,
+    read_manifest,
+    write_manifest,
+)
+from deployer.build.manifest import FORMAT_VERSION
+from deployer.build.progress import BuildProgress, SilentProgress
+from deployer.build.quantize import ModuleQuant, TensorPlan, plan_tensor, quantize_tensor
+from deployer.build.source import SourceModel, iter_tensors, open_source, source_sha256
+from deployer.build.spec import BuildRequest, BuildResult, QualityReport
+from deployer.build.store import Store, build_key
+from deployer.core.hashing import sha256_file
+from deployer.errors import BuildError
+
+BUILDER = {"name": "sits-deployer", "version": __version__}
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What quantizing the weights produced, and how to read them back (fp32) for the gate."""
+
+    modules: dict[str, ModuleQuant]
+    tensors: dict[str, Any]  # name -> a record with to_json() (TensorRecord or GGUFTensorRecord)
+    count: int
+    size: int
+    load_state: Callable[[], dict[str, Any]]
+
+
+def build_artifact(request: BuildRequest, *, progress: BuildProgress | None = None) -> BuildResult:
+    """Build (or find in the cache) the artifact `request` describes.
+
+    Raises SourceModelError for a bad source, QualityGateError when the gate fails, and
+    BuildError for anything else (disk full, unwritable store). Never leaves a partial artifact.
+    """
+    progress = progress or SilentProgress()
+    started = time.perf_counter()
+    try:
+        return _build(request, progress, started)
+    except OSError as exc:
+        hint = "free some disk space and build again" if exc.errno == errno.ENOSPC else None
+        raise BuildError(
+            f"build of {request.name} failed: {exc.strerror or exc} ({exc.filename or request.store_dir})",
+            hint=hint,
+        ) from exc
+    finally:
+        progress.close()
+
+
+def _build(request: BuildRequest, progress: BuildProgress, started: float) -> BuildResult:
+    source = open_source(request.source_dir)
+    progress.stage(f"hashing source {source.path}")
+    source_id = source_sha256(source)
+    key = build_key(_cache_inputs(request, source_id))
+    store = Store(request.store_dir)
+    if request.use_cache and (artifact_id := store.lookup(key)):
+        return _cached(request, store, artifact_id, started)
+    with store.staging() as staged:
+        if request.format == "gguf":
+            written = _write_gguf(source, request, staged, progress)
+        else:
+            written = _write_weights(source, request, staged, progress)
+            copy_files(source.path, source.copy_files, staged)
+        report = _gate(request, source, written, progress)
+        manifest = _manifest(request, source, source_id, written, file_records(staged), report)
+        artifact_id = write_manifest(staged, manifest)
+        artifact_dir = store.commit(staged, artifact_id)
+    store.remember(key, artifact_id)
+    return BuildResult(
+        artifact_dir=artifact_dir,
+        artifact_id=artifact_id,
+        cached=False,
+        quality=report,
+        tensors=written.count,
+        bytes_written=written.size,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _cache_inputs(request: BuildRequest, source_id: str) -> dict[str, Any]:
+    """Everything that shapes the artifact's bytes (the gate's limits do not: they only judge)."""
+    gate = request.gate
+    # The format joins the key only when it is not the default, so existing caches stay valid.
+    formats = {"format": request.format} if request.format != "safetensors" else {}
+    return {
+        **formats,
+        "source_sha256": source_id,
+        "quant": request.quant.to_json(),
+        "eval_sha256": _eval_sha256(gate.eval_text) if gate else None,
+        "max_tokens": gate.max_tokens if gate else None,
+        "model": {"name": request.name, "version": request.version},
+        "builder": BUILDER,
+    }
+
+
+def _eval_sha256(path: Path) -> str:
+    """Hash the eval text, failing before any work if it is missing."""
+    if not path.is_file():
+        raise BuildError(
+            f"{path}: quality_gate.eval_text not found",
+            hint="point model.quality_gate.eval_text at a UTF-8 text file (relative to deploy.yaml)",
+        )
+    return sha256_file(path)
+
+
+def _cached(request: BuildRequest, store: Store, artifact_id: str, started: float) -> BuildResult:
+    artifact_dir = store.artifact_dir(artifact_id)
+    manifest = read_manifest(artifact_dir)
+    report = None
+    if request.gate and manifest.quality:
+        report = quality.apply_limits(quality.report_from_manifest(manifest.quality), request.gate)
+        quality.enforce(report, request.quant.label)
+    return BuildResult(
+        artifact_dir=artifact_dir,
+        artifact_id=artifact_id,
+        cached=True,
+        quality=report,
+        tensors=len(manifest.tensors),
+        bytes_written=0,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _write_weights(
+    source: SourceModel, request: BuildRequest, staged: Path, progress: BuildProgress
+) -> _Written:
+    plans = _plans(source, request)
+    total_bytes = sum(source_tensor.entry.length for source_tensor in source.tensors)
+    writer = WeightsWriter(staged / WEIGHTS_NAME, (t for p in plans.values() for t in p.outputs))
+    progress.stage(f"quantizing {len(plans)} tensors ({request.quant.label}) from {source.path}")
+    progress.start_tensors(len(plans), total_bytes)
+    try:
+        for source_tensor, tensor in iter_tensors(source):
+            plan = plans.get(source_tensor.name)
+            if plan is None:
+                continue
+            for name, stored in quantize_tensor(plan, tensor).items():
+                writer.write(name, stored)
+            progress.tensor_done(source_tensor.name, source_tensor.entry.length)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    modules = {p.module: p.quant for p in plans.values() if p.module and p.quant}
+    return _Written(
+        modules,
+        dict(writer.records),
+        len(writer.records),
+        writer.size,
+        lambda: load_state_dict(staged, modules),
+    )
+
+
+def _write_gguf(
+    source: SourceModel, request: BuildRequest, staged: Path, progress: BuildProgress
+) -> _Written:
+    """The weights, tokenizer and chat template as one GGUF file (for `agent.engine: llama.cpp`)."""
+    from deployer.build.gguf_writer import GGUF_NAME, load_gguf_state, plan_gguf, write_gguf
+
+    plans = plan_gguf(source, request.quant)
+    path = staged / GGUF_NAME
+    progress.stage(f"writing GGUF ({request.quant.label}) from {source.path}")
+    records = write_gguf(source, path, plans, name=request.name, version=request.version, progress=progress)
+    return _Written({}, records, len(records), path.stat().st_size, lambda: load_gguf_state(path, plans))
+
+
+def _plans(source: SourceModel, request: BuildRequest) -> dict[str, TensorPlan]:
+    """A plan per stored source tensor; a tied output head is stored once, as the embedding."""
+    plans = {}
+    for t in source.tensors:
+        if t.name == "lm_head.weight" and source.tied_embeddings:
+            continue
+        plans[t.name] = plan_tensor(request.quant, t.name, t.entry.shape)
+    return plans
+
+
+def _gate(
+    request: BuildRequest, source: SourceModel, written: _Written, progress: BuildProgress
+) -> QualityReport | None:
+    if request.gate is None:
+        return None
+    progress.stage(f"quality gate: scoring on up to {request.gate.max_tokens} tokens")
+    state = written.load_state()
+    report = quality.apply_limits(quality.measure(source, state, request.gate), request.gate)
+    quality.enforce(report, request.quant.label)
+    return report
+
+
+def _manifest(
+    request: BuildRequest,
+    source: SourceModel,
+    source_id: str,
+    written: _Written,
+    files: dict[str, dict[str, Any]],
+    report: QualityReport | None,
+) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "kind": "sits-artifact",
+        "model": {
+            "name": request.name,
+            "version": request.version,
+            "architecture": source.architecture,
+        },
+        "source": {"sha256": source_id},
+        "quantization": {
+            "spec": request.quant.to_json(),
+            "modules": {m: q.to_json() for m, q in sorted(written.modules.items())},
+        },
+        "files": files,
+        "tensors": {n: r.to_json() for n, r in sorted(written.tensors.items())},
+        "quality": report.to_json() if report else None,
+        "builder": BUILDER,
+    }

@@ -1,0 +1,237 @@
+"""Weight-only quantization, one tensor at a time, in the device-neutral layout of
+docs/artifact-format.md.
+
+* int8: symmetric, one fp16 scale per output channel; ``w = q * scale``.
+* int4: asymmetric, per group of `g` input columns, fp16 scale and uint8 zero point (0..15);
+  two values per byte, low nibble = even column; ``w = (q - zero) * scale``. Columns are padded
+  with zeros up to a multiple of `g`; the range of each group always includes 0, so the padding
+  is exact and a zero weight stays zero.
+
+`plan_tensor` decides what a source tensor becomes (pure, from its name and shape only), so the
+artifact header can be written before any tensor is quantized.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deployer.build.spec import FLOAT_SCHEMES, QuantSpec
+from deployer.errors import BuildError
+
+FLOAT_DTYPES: dict[str, tuple[str, torch.dtype]] = {
+    "fp32": ("F32", torch.float32),
+    "fp16": ("F16", torch.float16),
+    "bf16": ("BF16", torch.bfloat16),
+}
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
+# The head and embeddings stay in a float dtype: this one unless an override names another.
+DEFAULT_HEAD_SCHEME = "fp16"
+# Rows quantized at once: bounds the temporaries of the clip search for large matrices.
+_ROW_CHUNK = 1024
+# Smallest positive fp16 (subnormal): a scale never rounds to zero, so q = w / scale is finite.
+_MIN_SCALE = 2.0**-24
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as written to the artifact."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModuleQuant:
+    """How one 2-D weight was stored: the manifest's `quantization.modules` entry."""
+
+    scheme: str
+    group_size: int | None
+    in_features: int
+    in_padded: int
+    out_features: int
+
+    def to_json(self) -> dict[str, Any]:
+        """Manifest form."""
+        return {
+            "scheme": self.scheme,
+            "group_size": self.group_size,
+            "in": self.in_features,
+            "in_padded": self.in_padded,
+            "out": self.out_features,
+        }
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """What one source tensor becomes: its module record (2-D weights only) and stored tensors."""
+
+    source: str
+    module: str | None
+    quant: ModuleQuant | None
+    outputs: tuple[StoredTensor, ...]
+
+
+def module_scheme(spec: QuantSpec, module: str) -> tuple[str, int]:
+    """(scheme, group size) for `module`, as deploy.yaml documents it.
+
+    The first override whose pattern matches wins; then the "layered" preset picks int4 for
+    attention and int8 for MLP modules (anything else fp16); otherwise the top-level scheme.
+    """
+    for override in spec.overrides:
+        if fnmatch.fnmatchcase(module, override.pattern):
+            return override.scheme, override.group_size or spec.group_size
+    if spec.scheme == "layered":
+        if ".self_attn." in module:
+            return "int4", spec.group_size
+        return ("int8" if ".mlp." in module else "fp16"), spec.group_size
+    return spec.scheme, spec.group_size
+
+
+def is_head_or_embedding(module: str) -> bool:
+    """Embeddings and the output head are never integer-quantized (they stay float)."""
+    return module == "lm_head" or module.endswith("embed_tokens")
+
+
+def plan_tensor(spec: QuantSpec, name: str, shape: tuple[int, ...]) -> TensorPlan:
+    """Decide how the source tensor `name` of `shape` is stored."""
+    if len(shape) != 2 or not name.endswith(".weight"):
+        # Norms and biases: small, and precision-sensitive.
+        return TensorPlan(name, None, None, (StoredTensor(name, "F32", shape),))
+    module = name[: -len(".weight")]
+    scheme, group_size = module_scheme(spec, module)
+    head_scheme = spec.scheme if spec.scheme in FLOAT_SCHEMES else DEFAULT_HEAD_SCHEME
+    if is_head_or_embedding(module) and scheme not in FLOAT_SCHEMES:
+        scheme = head_scheme
+    out_features, in_features = shape
+    if scheme == "int4":
+        in_padded = math.ceil(in_features / group_size) * group_size
+        groups = in_padded // group_size
+        outputs = (
+            StoredTensor(name, "U8", (out_features, in_padded // 2)),
+            StoredTensor(f"{name}_scale", "F16", (out_features, groups)),
+            StoredTensor(f"{name}_zero", "U8", (out_features, groups)),
+        )
+        quant = ModuleQuant("int4", group_size, in_features, in_padded, out_features)
+        return TensorPlan(name, module, quant, outputs)
+    if scheme == "int8":
+        outputs = (
+            StoredTensor(name, "I8", shape),
+            StoredTensor(f"{name}_scale", "F16", (out_features,)),
+        )
+        quant = ModuleQuant("int8", None, in_features, in_features, out_features)
+        return TensorPlan(name, module, quant, outputs)
+    dtype = FLOAT_DTYPES[scheme][0]
+    quant = ModuleQuant(scheme, None, in_features, in_features, out_features)
+    return TensorPlan(name, module, quant, (StoredTensor(name, dtype, shape),))
+
+
+def quantize_tensor(plan: TensorPlan, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Quantize one source tensor per its plan; returns the stored tensors in plan order."""
+    scheme = plan.quant.scheme if plan.quant else "fp32"
+    if scheme == "int8":
+        q, scale = quantize_int8(weight)
+        tensors = (q, scale)
+    elif scheme == "int4":
+        tensors = quantize_int4(weight, plan.quant.group_size)
+    else:
+        tensors = (weight.to(FLOAT_DTYPES[scheme][1]).contiguous(),)
+    result = {}
+    for stored, tensor in zip(plan.outputs, tensors, strict=True):
+        if tuple(tensor.shape) != stored.shape or tensor.dtype != TORCH_DTYPES[stored.dtype]:
+            raise BuildError(f"internal: {stored.name} came out {tensor.dtype}{list(tensor.shape)}")
+        result[stored.name] = tensor
+    return result
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q int8 [out, in], scale fp16 [out])."""
+    w = weight.float()
+    scale = _fp16_scale(w.abs().amax(dim=1) / 127.0)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4: (packed uint8 [out, in_p/2], scale fp16 [out, in_p/g],
+    zero uint8 [out, in_p/g]).
+
+    (Clipping each group's range to minimize weight error was tried: it lowered the weight
+    error on SmolLM2 but raised perplexity, so the plain min..max range is used.)
+    """
+    out_features, in_features = weight.shape
+    in_padded = math.ceil(in_features / group_size) * group_size
+    packed = torch.empty(out_features, in_padded // 2, dtype=torch.uint8)
+    scale = torch.empty(out_features, in_padded // group_size, dtype=torch.float16)
+    zero = torch.empty(out_features, in_padded // group_size, dtype=torch.uint8)
+    for rows in range(0, out_features, _ROW_CHUNK):
+        chunk = slice(rows, rows + _ROW_CHUNK)
+        w = torch.nn.functional.pad(weight[chunk].float(), (0, in_padded - in_features))
+        q, scale[chunk], zero[chunk] = _int4_groups(w.reshape(w.shape[0], -1, group_size))
+        q = q.reshape(w.shape[0], in_padded)
+        packed[chunk] = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed, scale, zero
+
+
+def _int4_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize [rows, n, g] groups over their min..max range: (q, scale fp16, zero uint8).
+
+    The zero point is rounded first and the scale then widened just enough that both ends of
+    the range fit; otherwise the largest weights (which matter most) would be clipped.
+    """
+    low = groups.amin(dim=-1).clamp(max=0.0)
+    high = groups.amax(dim=-1).clamp(min=0.0)
+    zero = torch.round(-low / ((high - low) / 15.0).clamp(min=_MIN_SCALE)).clamp_(0, 15)
+    fit_high = torch.where(zero < 15, high / (15.0 - zero), torch.zeros_like(high))
+    fit_low = torch.where(zero > 0, -low / zero.clamp(min=1.0), torch.zeros_like(low))
+    # Round up to the next fp16 so the stored scale still fits the range.
+    scale = _fp16_scale(torch.maximum(fit_high, fit_low) * (1.0 + 2.0**-10))
+    s = scale.float()
+    q = (torch.round(groups / s[..., None]) + zero[..., None]).clamp_(0, 15)
+    return q.to(torch.uint8), scale, zero.to(torch.uint8)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 + per-row scale -> fp32."""
+    return q.float() * scale.float()[:, None]
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int
+) -> torch.Tensor:
+    """Packed int4 + group scales and zeros -> fp32 [out, in_features] (padding dropped)."""
+    out_features = packed.shape[0]
+    q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(out_features, -1)
+    group_size = q.shape[1] // scale.shape[1]
+    zeros = zero.float().repeat_interleave(group_size, dim=1)
+    scales = scale.float().repeat_interleave(group_size, dim=1)
+    return ((q.float() - zeros) * scales)[:, :in_features]
+
+
+def dequantize(name: str, quant: ModuleQuant | None, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The fp32 weight `name` that the stored tensors represent under `quant`."""
+    scheme = quant.scheme if quant else "fp32"
+    if scheme == "int8":
+        return dequantize_int8(stored[name], stored[f"{name}_scale"])
+    if scheme == "int4":
+        return dequantize_int4(
+            stored[name], stored[f"{name}_scale"], stored[f"{name}_zero"], quant.in_features
+        )
+    return stored[name].float()
+
+
+def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Round scales to fp16 (what is stored), never to zero: all-zero rows get scale 1."""
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale.clamp(min=_MIN_SCALE).to(torch.float16)

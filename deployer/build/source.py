@@ -1,0 +1,199 @@
+"""Read an HF-layout source model: config, tokenizer files and (possibly sharded) safetensors.
+
+Every safetensors header is validated by `deployer.core.safetensors_io.read_header` before a byte
+of tensor data is read, so truncated files and lying headers fail here, naming the file.
+Tensors are then read one at a time (memory-mapped), never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deployer.core.hashing import sha256_file, sha256_pairs
+from deployer.core.safetensors_io import SafetensorsHeader, TensorEntry, read_header
+from deployer.errors import FormatError, SourceModelError
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("smollm2-135m-instruct",)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SOURCE_DTYPES = ("F32", "F16", "BF16")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+OPTIONAL_FILES = ("generation_config.json", "special_tokens_map.json")
+# Buffers some older checkpoints store; they are recomputed from the config at load time.
+DROPPED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """Where one source tensor lives."""
+
+    name: str
+    entry: TensorEntry
+    path: Path
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """A validated source directory: its config, tensors (sorted by name) and the files to copy."""
+
+    path: Path
+    config: dict[str, Any]
+    architecture: str
+    tensors: tuple[SourceTensor, ...]
+    copy_files: tuple[str, ...]
+    weight_files: tuple[str, ...]
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """True when the output head shares the embedding matrix."""
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    def input_files(self) -> tuple[str, ...]:
+        """Every file the build reads, relative to `path`, sorted."""
+        index = (INDEX_FILE,) if (self.path / INDEX_FILE).is_file() else ()
+        return tuple(sorted(self.copy_files + self.weight_files + index))
+
+
+def resolve_source(ref: str, base_dir: Path) -> Path:
+    """Turn deploy.yaml's `model.source` into a directory: a path (relative to `base_dir`) or
+    "builtin:smollm2-135m-instruct", which is prepared once and cached."""
+    if ref.startswith(BUILTIN_PREFIX):
+        name = ref[len(BUILTIN_PREFIX) :]
+        if name not in BUILTIN_MODELS:
+            raise SourceModelError(
+                f"model.source: unknown builtin model {name!r}",
+                hint=f"builtin models: {', '.join(BUILTIN_MODELS)}",
+            )
+        from deployer.build.demo_model import prepare_smollm2
+
+        return prepare_smollm2()
+    path = Path(ref).expanduser()
+    return path if path.is_absolute() else (base_dir / path)
+
+
+def open_source(path: Path) -> SourceModel:
+    """Validate `path` as an HF-layout model and index its tensors. Raises SourceModelError."""
+    if not path.is_dir():
+        raise SourceModelError(
+            f"{path}: source model directory not found",
+            hint="set model.source to an HF-layout directory or builtin:smollm2-135m-instruct",
+        )
+    for name in REQUIRED_FILES:
+        if not (path / name).is_file():
+            raise SourceModelError(f"{path}: missing {name}", hint="export the model with its tokenizer")
+    config = _read_json(path / "config.json")
+    architecture = _architecture(path, config)
+    weight_files = _weight_files(path)
+    tensors = _index_tensors(path, weight_files)
+    optional = tuple(n for n in OPTIONAL_FILES if (path / n).is_file())
+    return SourceModel(
+        path=path,
+        config=config,
+        architecture=architecture,
+        tensors=tensors,
+        copy_files=REQUIRED_FILES + optional,
+        weight_files=weight_files,
+    )
+
+
+def source_sha256(source: SourceModel) -> str:
+    """sha256 over the sorted (path, file sha256) pairs of every file the build reads."""
+    return sha256_pairs((name, sha256_file(source.path / name)) for name in source.input_files())
+
+
+def iter_tensors(source: SourceModel) -> Iterator[tuple[SourceTensor, Any]]:
+    """Yield (tensor, torch.Tensor) one at a time in name order.
+
+    Each tensor is read with plain reads at its validated offset, not memory-mapped: a mapping
+    would leave the pages of the whole file resident, and peak memory should be one tensor.
+    """
+    import torch
+
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    for tensor in source.tensors:
+        entry = tensor.entry
+        buffer = bytearray(entry.length)
+        try:
+            with tensor.path.open("rb") as f:
+                f.seek(entry.offset)
+                if f.readinto(buffer) != entry.length:
+                    raise SourceModelError(f"{tensor.path}: truncated inside tensor {tensor.name!r}")
+        except OSError as exc:
+            raise SourceModelError(f"{tensor.path}: cannot read ({exc.strerror or exc})") from exc
+        flat = torch.frombuffer(buffer, dtype=dtypes[entry.dtype]) if buffer else torch.empty(0)
+        yield tensor, flat.reshape(entry.shape)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SourceModelError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise SourceModelError(f"{path}: expected a JSON object")
+    return data
+
+
+def _architecture(path: Path, config: dict[str, Any]) -> str:
+    names = config.get("architectures") or []
+    arch = names[0] if isinstance(names, list) and names else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise SourceModelError(
+            f"{path / 'config.json'}: architecture {arch!r} is not supported",
+            hint=f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (Llama, Qwen2, Mistral, SmolLM)",
+        )
+    return arch
+
+
+def _weight_files(path: Path) -> tuple[str, ...]:
+    index_path = path / INDEX_FILE
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise SourceModelError(f"{index_path}: has no weight_map")
+        files = tuple(sorted(set(weight_map.values())))
+    elif (path / SINGLE_FILE).is_file():
+        files = (SINGLE_FILE,)
+    else:
+        raise SourceModelError(
+            f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}",
+            hint="the source must hold its weights in safetensors",
+        )
+    for name in files:
+        if "/" in name or name.startswith(".") or not (path / name).is_file():
+            raise SourceModelError(f"{path}: weight file {name!r} is missing or outside the model")
+    return files
+
+
+def _index_tensors(path: Path, weight_files: tuple[str, ...]) -> tuple[SourceTensor, ...]:
+    found: dict[str, SourceTensor] = {}
+    for name in weight_files:
+        header = _header(path / name)
+        for entry in header.tensors:
+            if entry.name.endswith(DROPPED_SUFFIXES):
+                continue
+            if entry.dtype not in SOURCE_DTYPES:
+                raise SourceModelError(
+                    f"{header.path}: tensor {entry.name!r} has dtype {entry.dtype}, which cannot "
+                    "be quantized",
+                    hint=f"source weights must be one of {', '.join(SOURCE_DTYPES)}",
+                )
+            if entry.name in found:
+                raise SourceModelError(f"{path}: tensor {entry.name!r} appears in two shards")
+            found[entry.name] = SourceTensor(entry.name, entry, header.path)
+    if not found:
+        raise SourceModelError(f"{path}: the safetensors files hold no tensors")
+    return tuple(found[n] for n in sorted(found))
+
+
+def _header(path: Path) -> SafetensorsHeader:
+    try:
+        return read_header(path)
+    except FormatError as exc:
+        raise SourceModelError(exc.message, hint=exc.hint or "re-export the source model") from exc

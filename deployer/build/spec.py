@@ -1,0 +1,169 @@
+"""What a build is asked to do, as plain frozen dataclasses (no config module, no pydantic).
+
+The CLI maps deploy.yaml onto these in one small function, so the build core can be tested and
+reused without the config loader. Validation here covers only what the build itself relies on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deployer.errors import BuildError
+
+FLOAT_SCHEMES = ("fp32", "fp16", "bf16")
+INTEGER_SCHEMES = ("int8", "int4")
+SCHEMES = FLOAT_SCHEMES + INTEGER_SCHEMES
+PRESETS = ("layered",)
+FORMATS = ("safetensors", "gguf")  # gguf: one GGUF file for the llama.cpp engine
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 128
+
+
+def _check_scheme(scheme: str, allowed: tuple[str, ...], where: str) -> None:
+    if scheme not in allowed:
+        raise BuildError(
+            f"{where}: unknown quantization scheme {scheme!r}",
+            hint=f"use one of {', '.join(allowed)}",
+        )
+
+
+def _check_group_size(group_size: int, where: str) -> None:
+    if group_size not in GROUP_SIZES:
+        raise BuildError(
+            f"{where}: int4 group size {group_size} is not supported",
+            hint=f"use one of {', '.join(map(str, GROUP_SIZES))}",
+        )
+
+
+@dataclass(frozen=True)
+class Override:
+    """Use `scheme` for every module whose name matches the fnmatch `pattern`."""
+
+    pattern: str
+    scheme: str
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        where = f"override {self.pattern!r}"
+        _check_scheme(self.scheme, SCHEMES, where)
+        if self.group_size is not None:
+            _check_group_size(self.group_size, where)
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest form (group_size null when it inherits the spec's)."""
+        return {"pattern": self.pattern, "scheme": self.scheme, "group_size": self.group_size}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """The quantization asked for: a scheme or the "layered" preset, the int4 group size, and
+    per-module overrides (the first matching pattern wins; overrides beat the preset)."""
+
+    scheme: str
+    group_size: int = DEFAULT_GROUP_SIZE
+    overrides: tuple[Override, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_scheme(self.scheme, SCHEMES + PRESETS, "model.quantization")
+        _check_group_size(self.group_size, "model.quantization")
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest form, exactly as asked (presets are not expanded here)."""
+        return {
+            "scheme": self.scheme,
+            "group_size": self.group_size,
+            "overrides": [o.to_json() for o in self.overrides],
+        }
+
+    @property
+    def label(self) -> str:
+        """A short name for tables and engine descriptions, e.g. "int4-g128"."""
+        return f"int4-g{self.group_size}" if self.scheme == "int4" else self.scheme
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """The quality gate: an eval text, how many of its tokens to use, and the limits."""
+
+    eval_text: Path
+    max_tokens: int = 512
+    max_perplexity_increase_pct: float | None = None
+    min_top1_agreement: float | None = None
+    max_mean_kl: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 2:
+            raise BuildError(
+                f"quality_gate.max_tokens is {self.max_tokens}; perplexity needs at least 2 tokens"
+            )
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """Everything one build needs. `store_dir` is the content-addressed store (.sits/store)."""
+
+    source_dir: Path
+    name: str
+    version: str
+    quant: QuantSpec
+    store_dir: Path
+    gate: GateSpec | None = None
+    use_cache: bool = True
+    format: str = "safetensors"
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise BuildError(
+                f"unknown artifact format {self.format!r}", hint=f"use one of {', '.join(FORMATS)}"
+            )
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    """What the gate measured, and which limits (if any) were passed."""
+
+    eval_sha256: str
+    tokens: int
+    reference_perplexity: float
+    quantized_perplexity: float
+    increase_pct: float
+    top1_agreement: float
+    mean_kl: float
+    failures: tuple[str, ...] = field(default=())
+
+    @property
+    def passed(self) -> bool:
+        """True when no limit was exceeded."""
+        return not self.failures
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's `quality` object (limits and failures are not part of the artifact)."""
+        return {
+            "eval_sha256": self.eval_sha256,
+            "tokens": self.tokens,
+            "perplexity": {
+                "reference": self.reference_perplexity,
+                "quantized": self.quantized_perplexity,
+                "increase_pct": self.increase_pct,
+            },
+            "top1_agreement": self.top1_agreement,
+            "mean_kl": self.mean_kl,
+        }
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """A finished build: where the artifact is, its id (manifest sha256), and what it cost.
+
+    `tensors` counts stored tensors; `bytes_written` is the weights file size (0 on a cache hit).
+    """
+
+    artifact_dir: Path
+    artifact_id: str
+    cached: bool
+    quality: QualityReport | None
+    tensors: int
+    bytes_written: int
+    seconds: float

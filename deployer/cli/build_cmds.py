@@ -1,0 +1,126 @@
+"""`sits-deployer build`: quantize the model named in deploy.yaml into the local artifact store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from deployer.build.spec import BuildRequest, BuildResult, GateSpec, Override, QuantSpec
+from deployer.build.store import STORE_DIRNAME
+from deployer.cli.common import console, emit_json, info, output_option, verbosity
+from deployer.errors import BuildError, QualityGateError
+
+if TYPE_CHECKING:
+    from deployer.config import Config
+
+
+def request_from_config(config: Config, *, use_cache: bool = True) -> BuildRequest:
+    """Map a loaded deploy.yaml `Config` onto the build's own request (paths resolved)."""
+    from deployer.build.source import resolve_source
+
+    model = config.model
+    quant = model.quantization
+    if quant.awq:
+        raise BuildError(
+            "model.quantization.awq: activation-aware scaling is not supported by this builder",
+            hint="remove `awq: true` (plain int4/int8 weight-only quantization is used)",
+        )
+    spec = QuantSpec(
+        scheme=quant.scheme,
+        group_size=quant.group_size,
+        overrides=tuple(Override(o.pattern, o.scheme, o.group_size) for o in quant.overrides),
+    )
+    gate = None
+    if model.quality_gate is not None:
+        g = model.quality_gate
+        gate = GateSpec(
+            eval_text=config.resolve(g.eval_text),
+            max_tokens=g.max_tokens,
+            max_perplexity_increase_pct=g.max_perplexity_increase_pct,
+            min_top1_agreement=g.min_top1_agreement,
+            max_mean_kl=g.max_mean_kl,
+        )
+    return BuildRequest(
+        source_dir=resolve_source(model.source, config.base_dir),
+        name=model.name,
+        version=model.version,
+        quant=spec,
+        store_dir=config.base_dir / STORE_DIRNAME,
+        gate=gate,
+        use_cache=use_cache,
+        # The llama.cpp engine runs GGUF files: build the artifact it can load.
+        format="gguf" if config.agent.engine == "llama.cpp" else "safetensors",
+    )
+
+
+def result_json(result: BuildResult) -> dict[str, Any]:
+    """The machine-readable summary printed by `--output json`."""
+    return {
+        "ok": True,
+        "artifact_id": result.artifact_id,
+        "artifact_dir": str(result.artifact_dir),
+        "cached": result.cached,
+        "tensors": result.tensors,
+        "bytes_written": result.bytes_written,
+        "seconds": round(result.seconds, 3),
+        "quality": result.quality.to_json() if result.quality else None,
+    }
+
+
+@click.command("build")
+@click.option(
+    "-f",
+    "--file",
+    "config_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default="deploy.yaml",
+    show_default=True,
+    help="The deploy.yaml naming the model, its quantization and quality gate.",
+)
+@click.option("--no-cache", is_flag=True, help="Rebuild even when these inputs were built before.")
+@output_option
+def build(config_path: Path, no_cache: bool, output: str) -> None:
+    """Quantize the model into a content-addressed artifact in .sits/store/ next to deploy.yaml.
+
+    The same inputs always give the same artifact id; an unchanged rebuild does no work.
+    The build fails (exit 1, nothing stored) when the quality gate's limits are passed.
+    """
+    from deployer.build.pipeline import build_artifact
+    from deployer.build.progress import RichProgress
+    from deployer.config import load_config
+
+    request = request_from_config(load_config(config_path), use_cache=not no_cache)
+    show = output == "text" and verbosity() >= 0
+    try:
+        result = build_artifact(request, progress=RichProgress(console()) if show else None)
+    except QualityGateError as exc:
+        if output == "json":
+            emit_json({"ok": False, "error": "quality gate failed", "quality": exc.report})
+        raise
+    if output == "json":
+        emit_json(result_json(result))
+        return
+    _print_result(request, result)
+
+
+def _print_result(request: BuildRequest, result: BuildResult) -> None:
+    what = f"{request.name} {request.version} ({request.quant.label})"
+    if result.cached:
+        info(f"[green]unchanged[/green] {what}: cache hit, nothing rebuilt")
+    else:
+        size_mb = result.bytes_written / 1e6
+        info(
+            f"[green]built[/green] {what}: {result.tensors} tensors, {size_mb:.1f} MB of weights "
+            f"in {result.seconds:.1f}s"
+        )
+    q = result.quality
+    if q is not None:
+        info(
+            f"quality on {q.tokens} tokens: perplexity {q.reference_perplexity:.4g} -> "
+            f"{q.quantized_perplexity:.4g} ({q.increase_pct:+.2f}%), top-1 agreement "
+            f"{q.top1_agreement:.3f}, mean KL {q.mean_kl:.4g}"
+        )
+    info(f"artifact {result.artifact_id}")
+    info(f"  at {result.artifact_dir}")
