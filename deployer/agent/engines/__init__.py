@@ -1,1 +1,35 @@
-"""Inference engines behind one small interface (see base.py)."""
+"""Inference engines behind one small interface (see base.py), and the factory that picks one by name."""
+
+from __future__ import annotations
+
+from deployer.agent.engines.base import Engine
+from deployer.errors import AgentError
+
+__all__ = ["ENGINE_NAMES", "make_engine"]
+
+ENGINE_NAMES = ("torch", "llama.cpp")
+
+
+def make_engine(
+    name: str, *, context_length: int = 2048, device: str = "cpu", threads: int | None = None
+) -> Engine:
+    """A new, unloaded engine of the named kind ("torch" or "llama.cpp").
+
+    Raises AgentError for an unknown name or an engine whose optional dependency is missing.
+    """
+    if name == "torch":
+        # Imported here: torch takes seconds to import, and only the chosen engine should pay it.
+        from deployer.agent.engines.torch_engine import TorchEngine
+
+        return TorchEngine(device=device, max_context=context_length, threads=threads)
+    if name == "llama.cpp":
+        if device != "cpu":
+            raise AgentError(
+                f"the llama.cpp engine runs on the CPU here, not {device}", hint="set `device: cpu`"
+            )
+        from deployer.agent.engines.llamacpp_engine import LlamaCppEngine
+
+        return LlamaCppEngine(max_context=context_length, threads=threads)
+    raise AgentError(
+        f"unknown engine {name!r}", hint=f"agent.yaml `engine:` is one of {', '.join(ENGINE_NAMES)}"
+    )

@@ -1,0 +1,238 @@
+"""Engine bench: SmolLM2-135M-Instruct, batch 1, greedy.
+
+Rows: transformers `generate` in fp32 (the baseline), then our torch engine on fp32, bf16, int8
+and int4 (group 32) weights, each at 1 and 2 threads (CPU). Each row runs in its own process, so
+its peak RSS is its own. Figures are the best of `--repeats` runs, because the CI machine is
+shared and a slow run measures the neighbours, not us.
+
+    PYTHONPATH=. .venv/bin/python bench/engine.py                # CPU, threads 1 and 2
+    PYTHONPATH=. .venv/bin/python bench/engine.py --device cuda  # one GPU
+
+Columns: load (s), time to first token (ms, prefill of the prompt plus one step), decode
+tokens/s (after the first token), peak RSS of the process (MB; on CUDA also peak GPU memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "Write a long story about a robot who learns to paint. Use many details."
+NEW_TOKENS = 64
+# label -> (engine, artifact scheme, int4 group size, compute dtype)
+ROWS = {
+    "transformers fp32": ("transformers", "fp32", None, "fp32"),
+    "ours fp32": ("ours", "fp32", None, "fp32"),
+    "ours bf16": ("ours", "fp32", None, "bf16"),
+    "ours int8": ("ours", "int8", None, "auto"),
+    "ours int4-g32": ("ours", "int4", 32, "auto"),
+}
+
+
+def artifact_for(scheme: str, group_size: int | None) -> Path:
+    """The SmolLM2 checkpoint (fp32) or an artifact built from it by our builder (cached)."""
+    from deployer.build.demo_model import cache_root, prepare_smollm2
+
+    source = prepare_smollm2()
+    if scheme == "fp32":
+        return source
+    from deployer.build.pipeline import build_artifact
+    from deployer.build.spec import BuildRequest, QuantSpec
+
+    spec = QuantSpec(scheme, group_size or 128)
+    request = BuildRequest(source, "smollm2-135m-instruct", "bench", spec, cache_root() / "bench-store")
+    return build_artifact(request).artifact_dir
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_ours(path: Path, dtype: str, device: str, repeats: int) -> dict:
+    """Load our engine, then time first token and decode over `repeats` runs."""
+    from deployer.agent.engines.base import ChatMessage, SamplingParams
+    from deployer.agent.engines.torch_engine import TorchEngine
+
+    started = time.perf_counter()
+    engine = TorchEngine(device=device, dtype=dtype, max_context=512)
+    engine.load(path)
+    load_s = time.perf_counter() - started
+    engine.warmup()
+    prompt = engine.chat_prompt([ChatMessage("user", PROMPT)])
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+    best_ttft, best_tps, tokens, text = float("inf"), 0.0, 0, ""
+    for _ in range(repeats):
+        start = time.perf_counter()
+        stamps, pieces = [], []
+        for event in engine.stream(prompt, params):
+            stamps.append(time.perf_counter())
+            pieces.append(event.text)
+        best_ttft = min(best_ttft, stamps[0] - start)
+        if len(stamps) > 1:
+            best_tps = max(best_tps, (len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        tokens, text = len(stamps), "".join(pieces)
+    info = engine.describe()
+    return {
+        "load_s": load_s,
+        "ttft_ms": best_ttft * 1000,
+        "decode_tps": best_tps,
+        "tokens": tokens,
+        "kernel": info.kernel,
+        "dtype": info.extra["dtype"],
+        "text": text[:60],
+    }
+
+
+def run_transformers(path: Path, device: str, repeats: int) -> dict:
+    """transformers generate, fp32: TTFT from a 1-token generate, decode from a 64-token one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    load_s = time.perf_counter() - started
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"].to(device)
+
+    def generate(n: int) -> tuple[float, torch.Tensor]:
+        _sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        _sync(device)
+        return time.perf_counter() - start, out
+
+    generate(4)  # warm-up
+    best_ttft, best_tps, text = float("inf"), 0.0, ""
+    for _ in range(repeats):
+        ttft, _ = generate(1)
+        total, out = generate(NEW_TOKENS)
+        best_ttft = min(best_ttft, ttft)
+        best_tps = max(best_tps, (NEW_TOKENS - 1) / max(total - ttft, 1e-9))
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return {
+        "load_s": load_s,
+        "ttft_ms": best_ttft * 1000,
+        "decode_tps": best_tps,
+        "tokens": NEW_TOKENS,
+        "kernel": "transformers",
+        "dtype": "float32",
+        "text": text[:60],
+    }
+
+
+def worker(label: str, threads: int, device: str, repeats: int) -> dict:
+    """One row, in this process: set threads, run, add peak memory."""
+    import torch
+
+    torch.set_num_threads(threads)
+    engine, scheme, group, dtype = ROWS[label]
+    path = artifact_for(scheme, group)
+    if engine == "transformers":
+        result = run_transformers(path, device, repeats)
+    else:
+        result = run_ours(path, dtype, device, repeats)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if device == "cuda":
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return result
+
+
+def spawn(label: str, threads: int, device: str, repeats: int) -> dict:
+    """Run one row in a fresh interpreter and parse its JSON line."""
+    cmd = [sys.executable, __file__, "--worker", label, "--threads", str(threads)]
+    cmd += ["--device", device, "--repeats", str(repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-3:]
+        return {"error": " | ".join(tail) or f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def print_table(results: list[tuple[str, int, dict]], device: str) -> None:
+    """A rich table, each row's speed relative to the transformers row at the same threads."""
+    from rich.console import Console
+    from rich.table import Table
+
+    baseline = {t: r.get("decode_tps") for label, t, r in results if label.startswith("transformers")}
+    table = Table(title=f"SmolLM2-135M-Instruct, batch 1, greedy, {NEW_TOKENS} new tokens, {device}")
+    for column in (
+        "engine / weights",
+        "threads",
+        "kernel",
+        "load s",
+        "TTFT ms",
+        "decode tok/s",
+        "x baseline",
+        "peak RSS MB",
+        *(["peak GPU MB"] if device == "cuda" else []),
+    ):
+        table.add_column(column, justify="left" if column in ("engine / weights", "kernel") else "right")
+    for label, threads, r in results:
+        if "error" in r:
+            table.add_row(label, str(threads), f"[red]{r['error'][:60]}[/red]")
+            continue
+        base = baseline.get(threads)
+        ratio = f"{r['decode_tps'] / base:.2f}" if base else "-"
+        cells = [
+            label,
+            str(threads),
+            r["kernel"],
+            f"{r['load_s']:.1f}",
+            f"{r['ttft_ms']:.0f}",
+            f"{r['decode_tps']:.1f}",
+            ratio,
+            f"{r['peak_rss_mb']:.0f}",
+        ]
+        if device == "cuda":
+            cells.append(f"{r.get('peak_gpu_mb', 0):.0f}")
+        table.add_row(*cells)
+    console = Console(width=170)
+    console.print(table)
+    for label, threads, r in results:
+        if "text" in r:
+            console.print(f"[dim]{label} @{threads}: {r['text']!r}[/dim]")
+
+
+def main() -> None:
+    """Parse flags; either run one row (--worker) or all rows and print the table."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, nargs="*", default=None, help="default: 1 2 (CPU)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.threads[0], args.device, args.repeats)))
+        return
+    threads = args.threads or ([1, 2] if args.device == "cpu" else [1])
+    for scheme, group in {(ROWS[r][1], ROWS[r][2]) for r in args.rows}:
+        artifact_for(scheme, group)  # build once, up front, outside the timed workers
+    results = [(label, t, spawn(label, t, args.device, args.repeats)) for t in threads for label in args.rows]
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"{platform.processor() or platform.machine()}, load average {' '.join(load)}")
+    print_table(results, args.device)
+
+
+if __name__ == "__main__":
+    main()

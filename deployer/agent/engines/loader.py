@@ -1,0 +1,243 @@
+"""Turn an artifact directory (or a plain HF-layout checkpoint) into a ready `Transformer`.
+
+Tensors are memory-mapped straight out of the safetensors files after the shared, distrustful
+header check (`deployer.core.safetensors_io`), so a float tensor already in the compute dtype is
+used without a copy. The module tree is built on the meta device and every tensor assigned into
+it, so peak memory stays about one model. Quantized layers come from `qlinear.build_linear`,
+which records the kernel each layer runs.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deployer.agent.engines.llama import ModelArgs, Transformer, args_from_config
+from deployer.agent.engines.qlinear import KERNEL_LINEAR, LinearWeights, build_linear
+from deployer.build.manifest import MANIFEST_NAME, read_manifest
+from deployer.build.quantize import TORCH_DTYPES, ModuleQuant
+from deployer.core.safetensors_io import TensorEntry, read_header
+from deployer.errors import AgentError, FormatError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Buffers some checkpoints carry that the model recomputes itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class ArtifactFacts:
+    """What the manifest (or, for a plain checkpoint, the directory) says about the model."""
+
+    name: str
+    version: str
+    quantization: str
+    modules: dict[str, ModuleQuant]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run, and how it was put together."""
+
+    model: Transformer
+    args: ModelArgs
+    facts: ArtifactFacts
+    config: dict[str, Any]
+    dtype: torch.dtype
+    device: torch.device
+    kernels: dict[str, str]  # linear module name -> kernel
+
+
+class WeightFiles:
+    """Every tensor of a directory's *.safetensors files, memory-mapped (copy-on-write)."""
+
+    def __init__(self, directory: Path) -> None:
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FormatError(f"{directory}: no *.safetensors weights found")
+        self._entries: dict[str, tuple[mmap.mmap, TensorEntry]] = {}
+        for path in files:
+            header = read_header(path)
+            with path.open("rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            for entry in header.tensors:
+                if entry.name in self._entries:
+                    raise FormatError(f"{path}: tensor {entry.name!r} is also in another file")
+                self._entries[entry.name] = (mapped, entry)
+
+    def names(self) -> set[str]:
+        """Names of all tensors."""
+        return set(self._entries)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of `name`, from the header alone."""
+        e = self._entries[name][1]
+        dtype = TORCH_DTYPES.get(e.dtype)
+        if dtype is None:
+            raise FormatError(f"tensor {name!r}: dtype {e.dtype} is not one the engine reads")
+        return dtype
+
+    def get(self, name: str) -> torch.Tensor | None:
+        """The tensor `name` as a view of the mapped file (no copy), or None when absent.
+
+        The view may be only 8-byte aligned: kernels that need more copy it (see qlinear).
+        """
+        if name not in self._entries:
+            return None
+        mapped, e = self._entries[name]
+        dtype = self.dtype(name)
+        count = e.length // e.itemsize
+        if count == 0:
+            return torch.empty(e.shape, dtype=dtype)
+        return torch.frombuffer(mapped, dtype=dtype, count=count, offset=e.offset).view(e.shape)
+
+    def require(self, name: str) -> torch.Tensor:
+        """Like get, but a missing tensor is a FormatError."""
+        t = self.get(name)
+        if t is None:
+            raise FormatError(
+                f"tensor {name!r} is missing from the weights",
+                hint="the artifact does not match its config.json; rebuild it",
+            )
+        return t
+
+
+def read_facts(directory: Path, weights: WeightFiles) -> ArtifactFacts:
+    """Name, version and per-module quantization from sits-manifest.json, else from the files."""
+    if not (directory / MANIFEST_NAME).is_file():
+        dtypes = {str(weights.dtype(n)).removeprefix("torch.") for n in weights.names()}
+        label = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+        float_labels = sorted(label[d] for d in dtypes if d in label)
+        return ArtifactFacts(directory.name, "unversioned", "+".join(float_labels) or "fp32", {})
+    manifest = read_manifest(directory)
+    spec = manifest.quantization.spec
+    quant = f"int4-g{spec.group_size}" if spec.scheme == "int4" else spec.scheme
+    if spec.overrides and spec.scheme != "layered":
+        quant += "+overrides"
+    modules = {
+        name: ModuleQuant(m.scheme, m.group_size, m.in_features, m.in_padded, m.out)
+        for name, m in manifest.quantization.modules.items()
+    }
+    return ArtifactFacts(manifest.model.name, manifest.model.version, quant, modules)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`; FormatError if missing or malformed."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise FormatError(f"{path}: expected a JSON object")
+    return data
+
+
+def choose_dtype(
+    requested: str, facts: ArtifactFacts, weights: WeightFiles, device: torch.device
+) -> torch.dtype:
+    """The compute dtype: as requested, or for "auto" fp32 for all-fp32 weights, else the
+    dtype the device's kernels like (bf16; fp16 on CUDA for fp16 weights)."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise AgentError(f"unknown dtype {requested!r}", hint=f"use auto or {', '.join(DTYPES)}")
+        return DTYPES[requested]
+    stored = {weights.dtype(n) for n in weights.names() if n.endswith(".weight")}
+    if stored == {torch.float32}:
+        return torch.float32
+    if device.type == "cuda" and facts.quantization == "fp16":
+        return torch.float16
+    return torch.bfloat16
+
+
+def load_model(directory: Path, *, device: str, dtype: str, max_context: int) -> LoadedModel:
+    """Load `directory` onto `device`, with a KV cache of min(max_context, model context)."""
+    config = read_json(directory / "config.json")
+    args = args_from_config(config, directory / "config.json")
+    weights = WeightFiles(directory)
+    facts = read_facts(directory, weights)
+    dev = torch.device(device)
+    compute = choose_dtype(dtype, facts, weights, dev)
+    with torch.device("meta"):
+        model = Transformer(args)
+    used: set[str] = set()
+    kernels = _fill_linears(model, weights, facts, dev, compute, used)
+    _fill_plain(model, weights, dev, compute, used)
+    if "lm_head" not in kernels:
+        if config.get("tie_word_embeddings") is False:
+            raise FormatError(f"{directory}: lm_head.weight is missing and the head is not tied")
+        # Tied output head: the embedding matrix serves as the head, not stored twice.
+        model.lm_head = build_linear(
+            "lm_head", LinearWeights(model.model.embed_tokens.weight), None, dev, compute
+        )[0]
+        kernels["lm_head"] = KERNEL_LINEAR
+    _check_all_used(directory, weights, used)
+    model.setup_caches(min(max_context, args.max_position_embeddings), compute, dev)
+    model.eval()
+    return LoadedModel(model, args, facts, config, compute, dev, kernels)
+
+
+def _fill_linears(
+    model: Transformer,
+    weights: WeightFiles,
+    facts: ArtifactFacts,
+    device: torch.device,
+    dtype: torch.dtype,
+    used: set[str],
+) -> dict[str, str]:
+    kernels: dict[str, str] = {}
+    names = weights.names()
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, module in linears:
+        if name == "lm_head" and f"{name}.weight" not in names:
+            continue
+        parts = {k: f"{name}.{k}" for k in ("weight", "bias", "weight_scale", "weight_zero")}
+        stored = LinearWeights(
+            weight=weights.require(parts["weight"]),
+            bias=weights.get(parts["bias"]),
+            scale=weights.get(parts["weight_scale"]),
+            zero=weights.get(parts["weight_zero"]),
+        )
+        layout = facts.modules.get(name)
+        shape = (layout.out_features, layout.in_features) if layout else tuple(stored.weight.shape)
+        if shape != tuple(module.weight.shape):
+            raise FormatError(
+                f"{name}: weights are {list(shape)} but config.json implies {list(module.weight.shape)}",
+                hint="the weights do not match config.json; rebuild the artifact",
+            )
+        used.update(p for p in parts.values() if p in names)
+        layer, kernels[name] = build_linear(name, stored, layout, device, dtype)
+        model.set_submodule(name, layer)
+    return kernels
+
+
+def _fill_plain(
+    model: Transformer, weights: WeightFiles, device: torch.device, dtype: torch.dtype, used: set[str]
+) -> None:
+    # Embedding and norms: what is left on the meta device after the linears (but a tied head).
+    for name, param in list(model.named_parameters()):
+        if not param.is_meta or name.startswith("lm_head."):
+            continue
+        tensor = weights.require(name)
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise FormatError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(param.shape)}")
+        module_name, _, attr = name.rpartition(".")
+        value = nn.Parameter(tensor.to(device, dtype), requires_grad=False)
+        setattr(model.get_submodule(module_name), attr, value)
+        used.add(name)
+
+
+def _check_all_used(directory: Path, weights: WeightFiles, used: set[str]) -> None:
+    unused = sorted(n for n in weights.names() - used if not n.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        raise FormatError(
+            f"{directory}: tensors not used by the model: {', '.join(unused[:5])}"
+            + (f" and {len(unused) - 5} more" if len(unused) > 5 else ""),
+            hint="the weights do not match config.json's architecture",
+        )

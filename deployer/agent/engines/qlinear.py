@@ -1,0 +1,254 @@
+"""Linear layers built at load time from the artifact's device-neutral weights.
+
+The artifact stores int8 (per output channel) and int4 (group-wise, asymmetric) weights in one
+layout for every device (docs/artifact-format.md); this module derives the packing the device's
+kernels want. For each layer the candidates are tried in order — the fused aten kernel for this
+device first, dequantize-once + `F.linear` last — and a candidate is kept only if it runs and
+agrees with the dequantized reference on a probe input. So an unsupported shape, a missing
+kernel or a packing convention that differs on some device falls back instead of giving wrong
+answers. `build_linear` says which kernel it chose; the engine reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deployer.build.quantize import ModuleQuant, dequantize_int4, dequantize_int8
+from deployer.build.spec import INTEGER_SCHEMES
+from deployer.errors import FormatError
+
+KERNEL_LINEAR = "linear"
+KERNEL_DEQUANT = "dequant+linear"
+KERNEL_INT8 = "aten._weight_int8pack_mm"
+KERNEL_INT4_CPU = "aten._weight_int4pack_mm_for_cpu"
+KERNEL_INT4_CUDA = "aten._weight_int4pack_mm"
+
+# torch 2.13's CPU _weight_int8pack_mm reads out of bounds (segfault, or wrong sums) unless K is
+# a multiple of this; a crash cannot be caught by the probe, so such layers never try it.
+INT8_CPU_K_MULTIPLE = 16
+# Byte alignment of torch's allocator; packed kernels get weights at least this aligned.
+ALIGNMENT = 64
+# A packed kernel must match the dequantized reference this closely (relative L2) on the probe;
+# bf16 activations alone cost about 1e-2.
+PROBE_TOLERANCE = 5e-2
+
+
+@dataclass(frozen=True)
+class LinearWeights:
+    """The stored tensors of one linear layer (still on the CPU, possibly memory-mapped)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+
+
+def dequantize(name: str, w: LinearWeights, layout: ModuleQuant | None) -> torch.Tensor:
+    """The fp32 weight [out, in] that the stored tensors stand for (artifact-format.md)."""
+    if layout is not None:
+        _check_shapes(name, w, layout)
+    if layout is None or layout.scheme not in INTEGER_SCHEMES:
+        return w.weight.float()
+    if layout.scheme == "int8":
+        return dequantize_int8(w.weight, w.scale)
+    return dequantize_int4(w.weight, w.scale, w.zero, layout.in_features)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """U8 [out, in_p/2] -> int32 [out, in_p] values 0..15; low nibble is the even column."""
+    low = (packed & 0x0F).to(torch.int32)
+    high = (packed >> 4).to(torch.int32)
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
+
+
+def _check_shapes(name: str, w: LinearWeights, layout: ModuleQuant) -> None:
+    out, n_in = layout.out_features, layout.in_features
+    if layout.scheme == "int8":
+        expected = {"weight": ((out, n_in), torch.int8), "weight_scale": ((out,), None)}
+    elif layout.scheme == "int4":
+        g, in_p = layout.group_size, layout.in_padded
+        if not g or not in_p or in_p % g or in_p % 2 or in_p < n_in or in_p - n_in >= g:
+            raise FormatError(
+                f"{name}: int4 layout in={n_in} in_padded={in_p} group_size={g} is inconsistent"
+            )
+        groups = (out, in_p // g)
+        expected = {
+            "weight": ((out, in_p // 2), torch.uint8),
+            "weight_scale": (groups, None),
+            "weight_zero": (groups, torch.uint8),
+        }
+    else:
+        expected = {"weight": ((out, n_in), None)}
+    found = {"weight": w.weight, "weight_scale": w.scale, "weight_zero": w.zero}
+    for key, (shape, dtype) in expected.items():
+        t = found[key]
+        if t is None or tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+            got = None if t is None else f"{t.dtype} {list(t.shape)}"
+            raise FormatError(
+                f"{name}.{key}: expected {dtype or 'float'} {list(shape)} for {layout.scheme}, found {got}",
+                hint="the artifact does not match its manifest; rebuild it",
+            )
+
+
+class FloatLinear(nn.Module):
+    """A plain linear layer on float weights."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class _PackedLinear(nn.Module):
+    """Shared frame of the packed kernels: pad K, flatten, cast to the kernel's dtype, add bias."""
+
+    def __init__(self, in_features: int, in_padded: int, act_dtype: torch.dtype, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.in_padded, self.act_dtype = in_features, in_padded, act_dtype
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the packed matmul on x [..., in]."""
+        lead, dtype = x.shape[:-1], x.dtype
+        x2d = x.reshape(-1, x.shape[-1]).to(self.act_dtype)
+        if self.in_padded != self.in_features:
+            # Padded columns were quantized from zeros; zero activations make them vanish exactly.
+            x2d = F.pad(x2d, (0, self.in_padded - self.in_features))
+        y = self._mm(x2d).reshape(*lead, -1).to(dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8PackLinear(_PackedLinear):
+    """int8 weights [out, in] used as stored; `aten._weight_int8pack_mm` (CPU and CUDA)."""
+
+    def __init__(self, w: LinearWeights, act_dtype: torch.dtype, device: torch.device):
+        n_in = w.weight.shape[1]
+        super().__init__(n_in, n_in, act_dtype, _maybe(w.bias, device, act_dtype))
+        self.register_buffer("qweight", _aligned(w.weight.to(device)))
+        self.register_buffer("scales", w.scale.to(device, act_dtype))
+
+    def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2d, self.qweight, self.scales)
+
+
+class Int4PackLinear(_PackedLinear):
+    """int4 weights packed for `_weight_int4pack_mm_for_cpu` (CPU) or `_weight_int4pack_mm` (CUDA).
+
+    Both kernels compute w = (q - 8) * scale + bias_term per group, so our zero point maps to
+    bias_term = (8 - zero) * scale.
+    """
+
+    def __init__(self, w: LinearWeights, layout: ModuleQuant, act_dtype: torch.dtype, device: torch.device):
+        super().__init__(layout.in_features, layout.in_padded, act_dtype, _maybe(w.bias, device, act_dtype))
+        self.group_size = layout.group_size
+        self.on_cuda = device.type == "cuda"
+        scale = w.scale.float()
+        shift = (8.0 - w.zero.float()) * scale
+        sz = torch.stack((scale.t(), shift.t()), dim=-1).contiguous()
+        self.register_buffer("scales_and_zeros", sz.to(device, act_dtype))
+        if self.on_cuda:
+            # The CUDA packer takes bytes with the even column in the HIGH nibble.
+            swapped = ((w.weight & 0x0F) << 4) | (w.weight >> 4)
+            tiles = _inner_k_tiles(layout.in_padded)
+            packed = torch.ops.aten._convert_weight_to_int4pack(swapped.to(device), tiles)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(w.weight), 2)
+        self.register_buffer("packed", packed)
+
+    def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.on_cuda:
+            return torch.ops.aten._weight_int4pack_mm(
+                x2d, self.packed, self.group_size, self.scales_and_zeros
+            )
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2d, self.packed, self.group_size, self.scales_and_zeros
+        )
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied if its data is not 64-byte aligned: a memory-mapped tensor is only 8-byte
+    aligned, and the CPU _weight_int8pack_mm segfaults below 16."""
+    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()
+
+
+def _inner_k_tiles(k: int) -> int:
+    return next((t for t in (8, 4, 2) if k % (t * 16) == 0), 2)
+
+
+def _maybe(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(device, dtype)
+
+
+def build_linear(
+    name: str,
+    w: LinearWeights,
+    layout: ModuleQuant | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[nn.Module, str]:
+    """The fastest working layer for these weights on `device`, and the kernel's name.
+
+    `layout` None or a float scheme means float weights, used as they are when dtype and device
+    already match (a memory-mapped fp32 tensor is not copied). Raises FormatError when the
+    tensors contradict the layout.
+    """
+    if layout is None or layout.scheme not in INTEGER_SCHEMES:
+        if layout is not None:
+            _check_shapes(name, w, layout)
+        weight = w.weight.to(device, dtype)
+        return FloatLinear(weight, _maybe(w.bias, device, dtype)), KERNEL_LINEAR
+    reference = dequantize(name, w, layout)
+    for kernel, make in _candidates(w, layout, device, dtype):
+        layer = _try(make)
+        if layer is not None and _agrees(layer, reference, device, dtype):
+            return layer, kernel
+    weight = reference.to(device, dtype)
+    return FloatLinear(weight, _maybe(w.bias, device, dtype)), KERNEL_DEQUANT
+
+
+def _candidates(
+    w: LinearWeights, layout: ModuleQuant, device: torch.device, dtype: torch.dtype
+) -> list[tuple[str, Callable[[], nn.Module]]]:
+    # The CPU kernels are fastest with bf16 activations; CUDA ones want bf16 (int4) or the model dtype.
+    act = torch.bfloat16 if device.type == "cpu" or layout.scheme == "int4" else dtype
+    if layout.scheme == "int8":
+        if device.type == "cpu" and layout.in_features % INT8_CPU_K_MULTIPLE:
+            return []
+        return [(KERNEL_INT8, lambda: Int8PackLinear(w, act, device))]
+    kernel = KERNEL_INT4_CUDA if device.type == "cuda" else KERNEL_INT4_CPU
+    return [(kernel, lambda: Int4PackLinear(w, layout, act, device))]
+
+
+def _try(make: Callable[[], nn.Module]) -> nn.Module | None:
+    try:
+        return make()
+    except (RuntimeError, NotImplementedError):
+        # The kernel does not exist on this build/device or refuses this shape.
+        return None
+
+
+@torch.inference_mode()
+def _agrees(layer: nn.Module, reference: torch.Tensor, device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, reference.shape[1], generator=gen)  # odd M: some kernels tile by 2
+    expected = x @ reference.t()
+    try:
+        got = layer(x.to(device, dtype)).float().cpu()
+    except (RuntimeError, NotImplementedError):
+        return False
+    if layer.bias is not None:
+        got = got - layer.bias.float().cpu()
+    err = (got - expected).norm() / expected.norm().clamp_min(1e-12)
+    return bool(err < PROBE_TOLERANCE)

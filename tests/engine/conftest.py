@@ -1,0 +1,96 @@
+"""Fixtures for the torch engine: tiny checkpoints of each architecture, built artifacts, and
+fp32 checkpoints of an artifact's dequantized weights (the reference for quantized kernels)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from deployer.agent.engines.torch_engine import TorchEngine
+from deployer.build.artifact import load_state_dict
+from deployer.build.demo_model import make_tiny_checkpoint
+from deployer.build.pipeline import build_artifact
+from deployer.build.spec import BuildRequest, QuantSpec
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread() -> None:
+    # The CI machine has two cores for everything; the tiny model gains nothing from more.
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def odd_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose MLP width (72) no packed int4 kernel takes and no int8 kernel's K
+    constraint allows, so some layers must fall back to dequant+linear."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("odd-model"), intermediate_size=72)
+
+
+@pytest.fixture(scope="session")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """build(source_dir, scheme, group_size=128) -> artifact dir, through the real builder."""
+    store = tmp_path_factory.mktemp("store")
+
+    def run(source: Path, scheme: str, group_size: int = 128) -> Path:
+        request = BuildRequest(source, "tiny", "1.0.0", QuantSpec(scheme, group_size), store)
+        return build_artifact(request).artifact_dir
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def dequantized(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], Path]:
+    """dequantized(artifact) -> an fp32 HF checkpoint holding exactly the artifact's weights."""
+
+    def run(artifact: Path) -> Path:
+        dest = tmp_path_factory.mktemp("dequantized")
+        state = {k: v.contiguous() for k, v in load_state_dict(artifact).items()}
+        save_file(state, str(dest / "model.safetensors"))
+        for name in ("config.json", *TOKENIZER_FILES):
+            shutil.copy(artifact / name, dest / name)
+        return dest
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir: Path) -> TorchEngine:
+    """The fp32 engine on the tiny checkpoint (shared: generation tests must not leave it busy)."""
+    return _engine_on(tiny_model_dir)
+
+
+def _hf_checkpoint(dest: Path, config: object, tokenizer_dir: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(dest, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, dest / name)
+    return dest
+
+
+@pytest.fixture
+def hf_checkpoint() -> Callable[..., Path]:
+    """hf_checkpoint(dest, config, tokenizer_dir): save a random transformers model of `config`
+    with the tiny tokenizer."""
+    return _hf_checkpoint
+
+
+def _engine_on(directory: Path, **kwargs: object) -> TorchEngine:
+    engine = TorchEngine(**{"dtype": "fp32", "max_context": 256, **kwargs})
+    engine.load(directory)
+    return engine
+
+
+@pytest.fixture(scope="session")
+def engine_on() -> Callable[..., TorchEngine]:
+    """engine_on(dir, **kwargs): a loaded TorchEngine (fp32, 256 positions unless told otherwise)."""
+    return _engine_on

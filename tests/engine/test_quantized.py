@@ -1,0 +1,115 @@
+"""int8 / int4 artifacts: the packed aten kernels are used where they exist, fall back where they
+cannot run, and give logits close to the fp32 model on the artifact's own dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deployer.agent.engines.qlinear import (
+    KERNEL_DEQUANT,
+    KERNEL_INT4_CPU,
+    KERNEL_INT8,
+    LinearWeights,
+    build_linear,
+)
+from deployer.build.quantize import ModuleQuant, quantize_int4, quantize_int8
+from deployer.errors import FormatError
+
+PROMPT = "The capital of France is Paris. Hello, how are you today?"
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize(
+    ("scheme", "group_size", "kernel"),
+    [("int8", 128, KERNEL_INT8), ("int4", 32, KERNEL_INT4_CPU), ("int4", 128, KERNEL_INT4_CPU)],
+)
+def test_packed_kernels_match_dequantized_fp32(
+    scheme, group_size, kernel, tiny_model_dir, build, dequantized, engine_on
+):
+    artifact = build(tiny_model_dir, scheme, group_size)
+    engine = engine_on(artifact, dtype="auto")
+    kernels = engine.layer_kernels
+    assert {k for name, k in kernels.items() if name != "lm_head"} == {kernel}
+    assert engine.describe().kernel == kernel
+    reference = engine_on(dequantized(artifact))
+    ids = engine.encode(PROMPT)
+    got, want = engine.logits(ids), reference.logits(ids)
+    assert _relative_error(got, want) < 0.02  # bf16 activations, nothing more
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_unsupported_shapes_fall_back_to_dequant(odd_model_dir, build, dequantized, engine_on):
+    artifact = build(odd_model_dir, "int4", 32)
+    engine = engine_on(artifact, dtype="auto")
+    kernels = engine.layer_kernels
+    # N = 72 is not a multiple of 16: the CPU int4 packer refuses gate/up; down (N = 64) packs.
+    assert kernels["model.layers.0.mlp.gate_proj"] == KERNEL_DEQUANT
+    assert kernels["model.layers.0.mlp.down_proj"] == KERNEL_INT4_CPU
+    assert "dequant+linear=4" in engine.describe().extra["kernels"]
+    ids = engine.encode(PROMPT)
+    reference = engine_on(dequantized(artifact))
+    assert _relative_error(engine.logits(ids), reference.logits(ids)) < 0.02
+
+
+def test_int8_never_tries_the_kernel_where_it_would_crash(odd_model_dir, build, engine_on):
+    # K = 72: torch's CPU _weight_int8pack_mm reads out of bounds; the layer must not use it.
+    engine = engine_on(build(odd_model_dir, "int8"), dtype="auto")
+    assert engine.layer_kernels["model.layers.0.mlp.down_proj"] == KERNEL_DEQUANT
+    assert engine.layer_kernels["model.layers.0.mlp.gate_proj"] == KERNEL_INT8
+    assert engine.logits(engine.encode(PROMPT)).isfinite().all()
+
+
+def test_layered_artifact_mixes_kernels(tiny_model_dir, build, engine_on):
+    engine = engine_on(build(tiny_model_dir, "layered"), dtype="auto")
+    kernels = engine.layer_kernels
+    assert kernels["model.layers.0.self_attn.q_proj"] == KERNEL_INT4_CPU
+    assert kernels["model.layers.0.mlp.up_proj"] == KERNEL_INT8
+    info = engine.describe()
+    assert info.quantization == "layered"
+    assert info.version == "1.0.0" and info.model == "tiny"
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "bf16"])
+def test_float_artifacts_load(scheme, tiny_model_dir, tiny_engine, build, engine_on):
+    engine = engine_on(build(tiny_model_dir, scheme), dtype="auto")
+    assert set(engine.layer_kernels.values()) == {"linear"}
+    ids = engine.encode(PROMPT)
+    assert _relative_error(engine.logits(ids), tiny_engine.logits(ids)) < 0.02
+
+
+def test_build_linear_rejects_tensors_that_contradict_the_layout():
+    weight = torch.randn(32, 64)
+    q, scale = quantize_int8(weight)
+    layout = ModuleQuant("int8", None, 64, 64, 32)
+    with pytest.raises(FormatError, match=r"x\.weight_scale: expected"):
+        build_linear("x", LinearWeights(q, scale=scale[:16]), layout, torch.device("cpu"), torch.bfloat16)
+    packed, s4, z4 = quantize_int4(weight, 32)
+    layout4 = ModuleQuant("int4", 32, 64, 64, 32)
+    with pytest.raises(FormatError, match=r"x\.weight_zero: expected"):
+        build_linear("x", LinearWeights(packed, scale=s4), layout4, torch.device("cpu"), torch.bfloat16)
+    bad_padding = ModuleQuant("int4", 32, 64, 96, 32)
+    with pytest.raises(FormatError, match=r"inconsistent|expected"):
+        build_linear(
+            "x", LinearWeights(packed, scale=s4, zero=z4), bad_padding, torch.device("cpu"), torch.bfloat16
+        )
+
+
+def test_int4_padding_is_exact():
+    # K = 40 with group 32 pads to 64; padded activations must contribute nothing.
+    torch.manual_seed(0)
+    weight = torch.randn(48, 40)
+    packed, scale, zero = quantize_int4(weight, 32)
+    layout = ModuleQuant("int4", 32, 40, 64, 48)
+    layer, kernel = build_linear(
+        "x", LinearWeights(packed, scale=scale, zero=zero), layout, torch.device("cpu"), torch.float32
+    )
+    assert kernel == KERNEL_INT4_CPU
+    from deployer.build.quantize import dequantize_int4
+
+    x = torch.randn(5, 40)
+    want = x @ dequantize_int4(packed, scale, zero, 40).t()
+    assert _relative_error(layer(x), want) < 0.02

@@ -1,0 +1,43 @@
+"""The engine on the real SmolLM2-135M-Instruct: logits equal transformers', and the answers of
+the fp32, int8 and int4 artifacts are right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deployer.agent.engines.base import ChatMessage, SamplingParams
+from deployer.agent.engines.qlinear import KERNEL_INT4_CPU, KERNEL_INT8, KERNEL_LINEAR
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [ChatMessage("user", "What is the capital of France?")]
+
+
+def test_fp32_logits_match_transformers(smollm2_dir, engine_on):
+    from transformers import AutoModelForCausalLM
+
+    engine = engine_on(smollm2_dir)
+    ids = engine.chat_prompt(QUESTION)
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        want = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(engine.logits(ids), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "group_size", "kernel", "finish"),
+    [
+        ("fp32", 128, KERNEL_LINEAR, "stop"),  # one sentence, then <|im_end|>
+        ("int8", 128, KERNEL_INT8, "stop"),
+        ("int4", 32, KERNEL_INT4_CPU, None),  # a longer (still right) answer may hit the limit
+    ],
+)
+def test_greedy_answer_mentions_paris(scheme, group_size, kernel, finish, smollm2_dir, build, engine_on):
+    directory = smollm2_dir if scheme == "fp32" else build(smollm2_dir, scheme, group_size)
+    engine = engine_on(directory, dtype="auto", max_context=512)
+    assert engine.describe().kernel == kernel
+    events = list(engine.stream(engine.chat_prompt(QUESTION), SamplingParams(max_tokens=32, temperature=0)))
+    text = "".join(e.text for e in events)
+    assert "Paris" in text
+    assert events[-1].finish_reason == (finish or events[-1].finish_reason)
