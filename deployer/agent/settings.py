@@ -1,0 +1,144 @@
+"""The agent's settings file, /etc/sits/agent.yaml: its pydantic model and a loader with file:line errors.
+
+Every field has a default, so an empty file is a valid configuration. Unknown keys are refused:
+a typo must not silently fall back to a default on a device nobody is watching. For example::
+
+    host: 0.0.0.0            # /admin/reload still answers loopback clients only
+    port: 8080
+    max_concurrent: 4        # requests admitted to the model at once; the engine runs them in turn
+    queue_length: 16         # beyond running + queued: 429 + Retry-After
+    max_tokens: 512
+    swap_policy: auto        # side-by-side when MemAvailable holds both models, else unload-first
+    smoke_prompts:
+      - prompt: "What is the capital of France?"
+        expect: Paris
+        max_tokens: 16
+    latency_budget_ms: 5000
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from deployer.errors import ConfigError
+
+__all__ = ["AgentSettings", "SmokePrompt", "load_settings"]
+
+DEFAULT_SETTINGS_PATH = Path("/etc/sits/agent.yaml")
+
+
+class SmokePrompt(BaseModel):
+    """A prompt a freshly loaded model must answer, within the latency budget, before it serves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str = Field(min_length=1)
+    expect: str | None = Field(default=None, description="a substring the answer must contain")
+    max_tokens: int = Field(default=8, ge=1, le=256)
+
+
+class AgentSettings(BaseModel):
+    """Everything `sits-agent serve` reads from agent.yaml."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    max_concurrent: int = Field(default=4, ge=1, le=1024, description="requests generating at once")
+    queue_length: int = Field(default=16, ge=0, le=65536, description="requests waiting beyond those")
+    max_request_bytes: int = Field(default=1 << 20, ge=1024)
+    max_prompt_tokens: int = Field(default=1536, ge=1)
+    max_tokens: int = Field(default=512, ge=1, description="the most tokens one request may generate")
+    request_timeout_s: float = Field(default=120.0, gt=0)
+    root: Path = Field(default=Path("/"), description="prefix of /etc/sits and /var/lib/sits")
+    engine: Literal["torch", "llama.cpp"] = "torch"
+    device: Literal["cpu", "cuda"] = "cpu"
+    threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; None: torch's")
+    context_length: int = Field(default=2048, ge=16, description="cap on the engine's KV cache")
+    smoke_prompts: tuple[SmokePrompt, ...] = (SmokePrompt(prompt="Hello"),)
+    latency_budget_ms: int = Field(default=10_000, ge=1, description="per smoke prompt")
+    readiness_timeout_s: float = Field(default=120.0, gt=0, description="load + warm-up + smoke")
+    swap_policy: Literal["side-by-side", "unload-first", "auto"] = "auto"
+    drain_timeout_s: float = Field(default=60.0, gt=0, description="unload-first: wait for in-flight")
+
+    @model_validator(mode="after")
+    def _prompt_fits_context(self) -> AgentSettings:
+        if self.max_prompt_tokens >= self.context_length:
+            raise ValueError(
+                f"max_prompt_tokens ({self.max_prompt_tokens}) must be below context_length "
+                f"({self.context_length}) to leave room for the answer"
+            )
+        return self
+
+    @property
+    def state_dir(self) -> Path:
+        """<root>/var/lib/sits: versions, current/previous pointers, state.json."""
+        return self.root / "var" / "lib" / "sits"
+
+
+def load_settings(path: Path) -> AgentSettings:
+    """Read and validate agent.yaml.
+
+    Raises ConfigError listing every problem as `file:line: field: message`.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            f"{path}: cannot read the agent settings: {exc.strerror}",
+            hint="create it (an empty file gives the defaults) or pass --config",
+        ) from exc
+    try:
+        root_node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML: {exc}", hint="fix the syntax") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}:1: the settings must be a mapping of keys to values")
+    try:
+        return AgentSettings.model_validate(data)
+    except ValidationError as exc:
+        findings = [_finding(path, root_node, err) for err in exc.errors()]
+        raise ConfigError(
+            f"{path}: invalid agent settings:\n  " + "\n  ".join(findings),
+            findings=findings,
+            hint="see the field list in deployer/agent/settings.py",
+        ) from exc
+
+
+def _finding(path: Path, root_node: yaml.Node | None, err: dict) -> str:
+    loc = tuple(err.get("loc", ()))
+    dotted = ".".join(str(part) for part in loc) or "(top level)"
+    line = _line_of(root_node, loc)
+    return f"{path}:{line}: {dotted}: {err.get('msg', 'invalid')}"
+
+
+def _line_of(node: yaml.Node | None, loc: tuple) -> int:
+    """The 1-based line where the field at `loc` is written (its key's line), else its nearest parent's."""
+    line = node.start_mark.line + 1 if node is not None else 1
+    for part in loc:
+        found = _child(node, part)
+        if found is None:
+            break
+        marker, node = found
+        line = marker.start_mark.line + 1
+    return line
+
+
+def _child(node: yaml.Node | None, part: object) -> tuple[yaml.Node, yaml.Node] | None:
+    """(the node that marks `part`'s position, the node holding its value) inside `node`."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if key.value == str(part):
+                return key, value
+    if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+        return node.value[part], node.value[part]
+    return None
