@@ -56,6 +56,7 @@ class DeviceFacts:
     free_memory_bytes: int | None = None
     unit_hashes: Mapping[str, str] = field(default_factory=dict)
     ready: bool = False
+    systemd: bool = False  # the agent runs under systemd (else as a background process)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import click
 
 from deployer.build.spec import BuildRequest, BuildResult, GateSpec, Override, QuantSpec
 from deployer.build.store import STORE_DIRNAME
-from deployer.cli.common import console, emit_json, info, output_option, verbosity
+from deployer.cli.common import console, emit_json, examples, info, output_option, verbosity
 from deployer.errors import BuildError, QualityGateError
 
 if TYPE_CHECKING:
@@ -69,7 +69,14 @@ def result_json(result: BuildResult) -> dict[str, Any]:
     }
 
 
-@click.command("build")
+@click.command(
+    "build",
+    epilog=examples(
+        "sits-deployer build -f deploy.yaml",
+        "sits-deployer build -f deploy.yaml --output json",
+        "sits-deployer build -f deploy.yaml --no-cache",
+    ),
+)
 @click.option(
     "-f",
     "--file",

@@ -62,3 +62,8 @@ def output_option(func: F) -> F:
         show_default=True,
         help="text for people (stderr), json for machines (stdout).",
     )(func)
+
+
+def examples(*commands: str) -> str:
+    """The `--help` epilog listing example command lines (click keeps \\b blocks unwrapped)."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  {c}" for c in commands)

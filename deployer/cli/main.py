@@ -24,6 +24,13 @@ COMMANDS: dict[str, str] = {
     "delta": "deployer.cli.release_cmds:delta",
     "patch-apply": "deployer.cli.release_cmds:patch_apply",
     "release": "deployer.cli.release_cmds:release",
+    "publish": "deployer.cli.publish_cmds:publish",
+    "demo": "deployer.cli.demo_cmds:demo",
+    "plan": "deployer.cli.fleet_cmds:plan",
+    "apply": "deployer.cli.fleet_cmds:apply",
+    "rollback": "deployer.cli.fleet_cmds:rollback",
+    "status": "deployer.cli.fleet_cmds:status",
+    "logs": "deployer.cli.fleet_cmds:logs",
 }
 
 

@@ -30,6 +30,8 @@ from deployer.config.models import (
 )
 from deployer.config.sourcemap import SourceMap
 
+GGUF_BLOCK = 32  # weights per GGUF 4-bit block (Q4_0/Q4_1)
+
 
 @dataclass(frozen=True)
 class CheckInput:
@@ -71,7 +73,7 @@ def run_checks(given: CheckInput) -> list[Finding]:
         given.profiles, given.resources, given.positions
     )
     shape, model_findings = _model_findings(given)
-    findings += model_findings
+    findings += model_findings + _engine_findings(given)
     if given.fleet is not None and given.profiles is not None:
         used = {d.profile for d in given.fleet if d.profile}
         findings += fit.quota_findings(given.resources, given.profiles, used, given.positions)
@@ -181,6 +183,31 @@ def _model_findings(given: CheckInput) -> tuple[ModelShape | None, list[Finding]
             )
         )
         return None, findings
+
+
+def _engine_findings(given: CheckInput) -> list[Finding]:
+    """The llama.cpp engine runs a GGUF artifact, whose 4-bit types quantize blocks of 32 weights."""
+    model, agent = given.model, given.agent
+    if model is None or agent is None or agent.engine != "llama.cpp":
+        return []
+    quant = model.quantization
+    at = ("model", "quantization")
+    uses = [((*at, "group_size"), quant.group_size)] if quant.scheme in ("int4", "layered") else []
+    uses += [
+        ((*at, "overrides", i, "group_size" if o.group_size else "scheme"), o.group_size or quant.group_size)
+        for i, o in enumerate(quant.overrides)
+        if o.scheme == "int4"
+    ]
+    return [
+        given.positions.finding(
+            path,
+            f"agent.engine llama.cpp needs int4 with group size {GGUF_BLOCK} (GGUF's 4-bit blocks), "
+            f"not {size}",
+            f"set group_size: {GGUF_BLOCK}, use int8/fp16, or set agent.engine: torch",
+        )
+        for path, size in uses
+        if size != GGUF_BLOCK
+    ]
 
 
 def _signing_findings(given: CheckInput) -> list[Finding]:

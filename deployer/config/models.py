@@ -243,6 +243,30 @@ class Signing(_Model):
     expires_in: Duration = Field(default="30d", validate_default=True)
 
 
+class Channel(_Model):
+    """A pull channel (a ring such as canary or stable): devices whose labels match ``selector`` poll it."""
+
+    name: DnsName
+    selector: dict[str, str] = {}
+
+
+class Publish(_Model):
+    """Pull mode: signed TUF channels on static HTTP or S3 (``sits-deployer publish``) that devices poll.
+
+    The TUF roles are signed with ``keys`` (private keys; default: ``signing.private_key``), ``threshold``
+    of them per role. Targets and snapshot live as long as ``signing.expires_in``; only the timestamp is
+    short-lived: re-publish (or re-sign it) more often than ``timestamp_expires``.
+    """
+
+    channels: Annotated[list[Channel], Field(min_length=1)] = [Channel(name="stable")]
+    base_url: str | None = None
+    keys: list[FilePath] = []
+    threshold: Annotated[int, Field(ge=1)] = 1
+    timestamp_expires: Duration = Field(default="1d", validate_default=True)
+    root_expires: Duration = Field(default="365d", validate_default=True)
+    patch_bases: Annotated[int, Field(ge=0, le=32)] = 3
+
+
 class Device(_Model):
     """One edge device and how to reach it."""
 
@@ -258,6 +282,7 @@ class Device(_Model):
     transport: Literal["ssh", "local"] = "ssh"
     root: FilePath = "/"
     python: Annotated[str, Field(min_length=1)] = "python3"
+    agent_port: Port | None = None  # the agent's HTTP port on this device (default: agent.port)
 
 
 class Fleet(_Model):
@@ -384,6 +409,7 @@ class Config(_Model):
     resources: Resources = Resources()
     hooks: Hooks = Hooks()
     agent: AgentSettings = AgentSettings()
+    publish: Publish | None = None
 
     _path: Path | None = PrivateAttr(default=None)
 

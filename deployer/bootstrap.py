@@ -1,0 +1,248 @@
+"""Put the agent on a device and keep its files and process as deploy.yaml says.
+
+    install_agent     our wheel (built once per controller run) installed with pip into a venv under
+                      /opt/sits/venv, made with the device's `python`; or, when the inventory names
+                      another interpreter, into that one (nothing is installed if it already has
+                      this version)
+    desired_files     what the controller keeps on the device, by device path: agent.yaml, the
+                      trusted keys, and the systemd units when the device runs systemd
+    write_files       upload each file that differs (verified by sha256, renamed into place)
+    start_agent       systemd: daemon-reload, enable --now / restart; otherwise (the local demo
+                      fleet) `sits-agent serve` as a background process with a pid file and a log
+
+Device paths: the agent's log is /var/log/sits-agent.log and its pid file /run/sits-agent.pid when
+it runs without systemd.
+"""
+
+from __future__ import annotations
+
+import functools
+import posixpath
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from deployer import __version__
+from deployer.config.models import Config
+from deployer.desired import ReleaseFiles
+from deployer.errors import AgentError, SitsError, TransportError
+from deployer.facts import AGENT_CONFIG, KEYS_DIR, UNIT_DIR, VENV_PYTHON, DeviceSite, agent_request
+from deployer.transport import Transport
+
+__all__ = [
+    "INCOMING",
+    "LOG_FILE",
+    "agent_settings",
+    "build_wheel",
+    "desired_files",
+    "ensure_serving",
+    "install_agent",
+    "install_args",
+    "log_command",
+    "send_release",
+    "start_agent",
+    "stop_agent",
+    "write_files",
+]
+
+INCOMING = "/var/lib/sits/incoming"  # uploads; not staging/, which the agent empties on each start
+LOG_FILE = "/var/log/sits-agent.log"
+PID_FILE = "/run/sits-agent.pid"
+_START_POLL_S = 0.5
+
+
+def agent_settings(config: Config, site: DeviceSite) -> str:
+    """The agent.yaml text for one device (deterministic, so its hash tells whether it changed)."""
+    settings = {
+        "port": site.port,
+        "root": site.root,
+        "engine": config.agent.engine,
+        "max_concurrent": config.agent.max_concurrent,
+        "queue_length": config.agent.queue_length,
+        "max_tokens": config.agent.max_tokens,
+        "swap_policy": config.agent.swap_policy,
+        "smoke_prompts": [{"prompt": p} for p in config.health.smoke_prompts],
+        "latency_budget_ms": config.health.latency_budget_ms,
+        "readiness_timeout_s": config.health.readiness_timeout.total_seconds(),
+    }
+    return "# Written by sits-deployer from deploy.yaml; local edits are overwritten.\n" + yaml.safe_dump(
+        settings, sort_keys=True
+    )
+
+
+def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[str, bytes]:
+    """Device path -> content of every file the controller manages on this device."""
+    files = {AGENT_CONFIG: agent_settings(config, site).encode()}
+    for key in config.signing.trusted_keys if config.signing else []:
+        path = config.resolve(key)
+        files[f"{KEYS_DIR}/{path.stem}.pub"] = path.read_bytes()
+    if systemd:
+        from deployer.units import UnitParams, render_units
+
+        params = UnitParams.from_config(config)
+        params = UnitParams(
+            **{
+                **params.__dict__,
+                "agent_command": (site.python, "-m", "deployer.agent.cli"),
+                "config_path": site.path(AGENT_CONFIG),
+            }
+        )
+        for name, text in render_units(params).items():
+            files[f"{UNIT_DIR}/{name}"] = text.encode()
+    return files
+
+
+def write_files(site: DeviceSite, transport: Transport, files: dict[str, bytes]) -> list[str]:
+    """Upload each file (unchanged ones are skipped by their hash); return the paths that changed."""
+    changed = []
+    with tempfile.TemporaryDirectory(prefix="sits-files-") as tmp:
+        for i, (device_path, data) in enumerate(sorted(files.items())):
+            local = Path(tmp) / str(i)
+            local.write_bytes(data)
+            if not transport.put(local, site.file(device_path)).unchanged:
+                changed.append(device_path)
+    return changed
+
+
+@functools.cache
+def build_wheel(project_dir: Path, out_dir: Path) -> Path:
+    """Build our wheel once (`pip wheel --no-deps`) into `out_dir`. Raises SitsError if pip fails."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out_dir), str(project_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    wheels = sorted(out_dir.glob(f"sits_deployer-{__version__}-*.whl"))
+    if done.returncode != 0 or not wheels:
+        raise SitsError(
+            f"building the sits-deployer wheel from {project_dir} failed: {done.stderr.strip()[-400:]}",
+            hint="run `pip wheel --no-deps .` in the project to see why, or name an interpreter that "
+            "already has sits-deployer as the device's `python`",
+        )
+    return wheels[-1]
+
+
+def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
+    """Install the agent from `wheel` (into the venv when the device uses the default interpreter)."""
+    if site.python == site.path(VENV_PYTHON):
+        venv = posixpath.dirname(posixpath.dirname(site.python))
+        transport.run(
+            f"test -x {shlex.quote(site.python)} || {shlex.quote(site.bootstrap_python)} -m venv "
+            + shlex.quote(venv),
+            timeout=300,
+        ).check(f"{site.name}: creating the agent's venv at {venv}")
+    remote = f"{INCOMING}/{wheel.name}"
+    transport.put(wheel, site.file(remote))
+    pip = [site.python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    wheel_path = site.path(remote)
+    # Our package is replaced even at the same version; its dependencies only when missing.
+    transport.run([*pip, "--force-reinstall", "--no-deps", wheel_path], timeout=900).check(
+        f"{site.name}: pip install of {wheel.name}"
+    )
+    transport.run([*pip, wheel_path], timeout=900).check(
+        f"{site.name}: installing the dependencies of {wheel.name}"
+    )
+
+
+def _release_dir(release: ReleaseFiles) -> str:
+    return f"{INCOMING}/{release.counter}"
+
+
+def send_release(site: DeviceSite, transport: Transport, release: ReleaseFiles) -> int:
+    """Upload a release manifest and its payload (resumable, verified); return the bytes sent."""
+    folder = _release_dir(release)
+    sent = transport.put(release.manifest, site.file(f"{folder}/release.json")).bytes_sent
+    if release.patch is not None:
+        return sent + transport.put(release.patch, site.file(f"{folder}/update.patch")).bytes_sent
+    for path in sorted(release.artifact_dir.iterdir()):
+        sent += transport.put(path, site.file(f"{folder}/artifact/{path.name}")).bytes_sent
+    return sent
+
+
+def install_args(site: DeviceSite, release: ReleaseFiles) -> list[str]:
+    """`sits-agent install` arguments for a release that `send_release` uploaded."""
+    folder = _release_dir(release)
+    payload = ["--patch", f"{folder}/update.patch"] if release.patch else ["--artifact", f"{folder}/artifact"]
+    return ["--manifest", site.path(f"{folder}/release.json"), payload[0], site.path(payload[1])]
+
+
+def ensure_serving(
+    site: DeviceSite, transport: Transport, version: str, *, systemd: bool, timeout_s: float
+) -> None:
+    """Make the agent serve `version`: start it when it is not running, else have it reload."""
+    from deployer.health import serving_version
+
+    if not agent_running(site, transport):
+        start_agent(site, transport, systemd=systemd, timeout_s=timeout_s)
+    elif serving_version(site, transport) != version:  # else the install's own hot swap did it
+        transport.run(site.agent("reload"), timeout=timeout_s + 30).check(f"{site.name}: sits-agent reload")
+
+
+def agent_running(site: DeviceSite, transport: Transport) -> bool:
+    """Whether an agent answers on the device's port."""
+    return agent_request(site, transport, "GET", "/healthz", timeout=5).status == 200
+
+
+def start_agent(site: DeviceSite, transport: Transport, *, systemd: bool, timeout_s: float) -> None:
+    """(Re)start the agent and wait until it answers /readyz. Raises AgentError when it does not."""
+    if systemd:
+        transport.run(
+            "systemctl daemon-reload && systemctl enable sits-agent.service && "
+            "systemctl restart sits-agent.service",
+            timeout=timeout_s + 30,
+        ).check(f"{site.name}: systemctl restart sits-agent")
+    else:
+        stop_agent(site, transport)
+        log, pid = site.path(LOG_FILE), site.path(PID_FILE)
+        serve = shlex.join(site.agent("serve"))
+        transport.run(
+            f"mkdir -p {shlex.quote(posixpath.dirname(log))} {shlex.quote(posixpath.dirname(pid))} && "
+            f"(setsid {serve} </dev/null >>{shlex.quote(log)} 2>&1 & echo $! >{shlex.quote(pid)})",
+            timeout=30,
+        ).check(f"{site.name}: starting sits-agent serve")
+    _wait_ready(site, transport, timeout_s)
+
+
+def stop_agent(site: DeviceSite, transport: Transport) -> None:
+    """Stop the background agent of a device without systemd (no-op when none runs)."""
+    pid = shlex.quote(site.path(PID_FILE))
+    transport.run(
+        f'if [ -f {pid} ]; then p=$(cat {pid}); kill "$p" 2>/dev/null; '
+        f'for i in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done; '
+        f'kill -9 "$p" 2>/dev/null; rm -f {pid}; fi; true',
+        timeout=30,
+    )
+
+
+def _wait_ready(site: DeviceSite, transport: Transport, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    reply = None
+    while time.monotonic() < deadline:
+        try:
+            reply = agent_request(site, transport, "GET", "/readyz", timeout=5)
+        except TransportError:
+            reply = None
+        if reply is not None and reply.status == 200:
+            return
+        time.sleep(_START_POLL_S)
+    raise AgentError(
+        f"{site.name}: the agent did not become ready within {timeout_s:g}s "
+        f"({reply.body.strip()[:200] if reply else 'no answer'})",
+        hint=f"see `sits-deployer logs {site.name}`",
+    )
+
+
+def log_command(site: DeviceSite, *, systemd: bool, since: str | None, follow: bool, lines: int = 200) -> str:
+    """The shell command that prints (or follows) the agent's log on the device."""
+    if systemd:
+        argv = ["journalctl", "-u", "sits-agent", "--no-pager", "-n", str(lines)]
+        argv += ["--since", since] if since else []
+        return shlex.join([*argv, *(["-f"] if follow else [])])
+    return shlex.join(["tail", "-n", str(lines), *(["-F"] if follow else []), site.path(LOG_FILE)])

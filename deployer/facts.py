@@ -1,0 +1,235 @@
+"""What a device has, read over its transport in one round trip: agent, model, disk, memory, files, health.
+
+A fact is a small read-only probe: one stdlib-only Python program (`_PROBE`) runs on the device with
+the agent's interpreter (or the bootstrap interpreter before the agent is installed) and prints one
+JSON document, parsed here into `DeviceFacts`. It reads `<root>/var/lib/sits/state.json` directly,
+so it works whether or not an agent is installed or running. A device that cannot be reached is a
+fact too (`reachable=False` with the reason), never an exception.
+
+`DeviceSite` says where things are on one device: commands see paths under the device's root
+prefix; the local transport maps file paths under that prefix itself, SSH does not.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from deployer import __version__
+from deployer.config.models import Config, Device
+from deployer.errors import TransportError
+from deployer.plan import DeviceFacts
+from deployer.transport import Transport, run_bounded
+
+__all__ = [
+    "AGENT_CONFIG",
+    "DEFAULT_PYTHON",
+    "VENV_PYTHON",
+    "DeviceSite",
+    "HttpReply",
+    "agent_request",
+    "controller_agent_version",
+    "gather_facts",
+    "gather_fleet",
+]
+
+AGENT_CONFIG = "/etc/sits/agent.yaml"
+KEYS_DIR = "/etc/sits/keys"
+UNIT_DIR = "/etc/systemd/system"
+VENV_PYTHON = "/opt/sits/venv/bin/python"
+DEFAULT_PYTHON = "python3"  # inventory default: bootstrap a venv with it
+PROBE_TIMEOUT_S = 30.0
+
+Connect = Callable[[Device], Transport]
+
+
+@dataclass(frozen=True)
+class DeviceSite:
+    """One device's names and paths as the controller uses them."""
+
+    name: str
+    host: str
+    root: str  # the device's root prefix, as its own commands see it
+    local: bool  # local transport: file paths are device paths, mapped under `root` by the transport
+    port: int  # the agent's HTTP port
+    bootstrap_python: str  # the interpreter that creates the agent's venv
+    python: str  # the interpreter that runs the agent
+
+    @classmethod
+    def of(cls, config: Config, device: Device) -> DeviceSite:
+        """The site of an inventory device (root resolved against deploy.yaml for local devices)."""
+        local = device.transport == "local"
+        root = str(config.resolve(device.root)) if local else device.root
+        site = cls(
+            name=device.name,
+            host=device.host or "localhost",
+            root=root.rstrip("/") or "/",
+            local=local,
+            port=device.agent_port or config.agent.port,
+            bootstrap_python=device.python,
+            python="",
+        )
+        python = site.path(VENV_PYTHON) if device.python == DEFAULT_PYTHON else device.python
+        return DeviceSite(**{**site.__dict__, "python": python})
+
+    def path(self, device_path: str) -> str:
+        """A device path as the device's commands see it (under the root prefix)."""
+        return device_path if self.root == "/" else self.root + device_path
+
+    def file(self, device_path: str) -> str:
+        """A device path as the transport's put/get want it."""
+        return device_path if self.local else self.path(device_path)
+
+    def agent(self, *args: str) -> list[str]:
+        """argv of a `sits-agent` subcommand with this device's settings file."""
+        return [self.python, "-m", "deployer.agent.cli", *args, "--config", self.path(AGENT_CONFIG)]
+
+    @property
+    def managed_files(self) -> tuple[str, ...]:
+        """Device files whose hashes the facts report (the trusted keys are listed on the device)."""
+        return (AGENT_CONFIG, f"{UNIT_DIR}/sits-agent.service", f"{UNIT_DIR}/sits-rollback.service")
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    """An answer of the agent's HTTP API, fetched on the device itself."""
+
+    status: int  # 0: nothing listens
+    body: str
+    elapsed_ms: float
+
+    def json(self) -> dict:
+        """The body as a JSON object ({} when it is not one)."""
+        try:
+            data = json.loads(self.body)
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+
+# Runs on the device with any Python >= 3.8; prints one JSON document. argv: root port files...
+_PROBE = r"""
+import hashlib, json, os, shutil, sys, urllib.request
+root, port, files = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def under(p): return p if root == "/" else root + p
+def sha(p):
+    try:
+        with open(p, "rb") as f: return hashlib.sha256(f.read()).hexdigest()
+    except OSError: return None
+out = {"agent_version": None, "state": None, "hashes": {}, "ready": False, "served": None}
+try:
+    import deployer, importlib.util
+    if importlib.util.find_spec("deployer.agent.cli"): out["agent_version"] = deployer.__version__
+except Exception: pass
+try:
+    with open(under("/var/lib/sits/state.json")) as f: out["state"] = json.load(f)
+except (OSError, ValueError): pass
+for p in files:
+    out["hashes"][p] = sha(under(p))
+keys = under("/etc/sits/keys")
+if os.path.isdir(keys):
+    for n in sorted(os.listdir(keys)):
+        if n.endswith(".pub"): out["hashes"]["/etc/sits/keys/" + n] = sha(os.path.join(keys, n))
+d = under("/var/lib/sits") if os.path.isdir(under("/var/lib/sits")) else root
+out["free_disk"] = shutil.disk_usage(d).free
+try:
+    with open("/proc/meminfo") as f:
+        mem = dict(l.split(":", 1) for l in f)
+    out["free_memory"] = int(mem["MemAvailable"].split()[0]) * 1024
+except (OSError, KeyError, ValueError): out["free_memory"] = None
+out["systemd"] = root == "/" and os.path.isdir("/run/systemd/system")
+try:
+    with urllib.request.urlopen("http://127.0.0.1:%d/readyz" % port, timeout=3) as r:
+        body = json.loads(r.read()); out["ready"] = r.status == 200; out["served"] = body.get("version")
+except Exception: pass
+print(json.dumps(out))
+"""
+
+# argv: port method path body timeout (body "" for none); prints {"status", "body", "elapsed_ms"}.
+_HTTP = r"""
+import json, sys, time, urllib.request, urllib.error
+port, method, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+data = sys.argv[4].encode() or None
+req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data, method=method,
+                             headers={"Content-Type": "application/json"})
+t = time.monotonic()
+try:
+    with urllib.request.urlopen(req, timeout=float(sys.argv[5])) as r:
+        status, body = r.status, r.read().decode("utf-8", "replace")
+except urllib.error.HTTPError as e:
+    status, body = e.code, e.read().decode("utf-8", "replace")
+except Exception as e:
+    status, body = 0, str(e)
+print(json.dumps({"status": status, "body": body, "elapsed_ms": (time.monotonic() - t) * 1000}))
+"""
+
+
+def _interpreter(site: DeviceSite) -> str:
+    """Shell words choosing the agent's interpreter when it exists, else the bootstrap one."""
+    agent, fallback = shlex.quote(site.python), shlex.quote(site.bootstrap_python)
+    return f'P={agent}; command -v "$P" >/dev/null 2>&1 || P={fallback}; "$P"'
+
+
+def gather_facts(site: DeviceSite, transport: Transport) -> DeviceFacts:
+    """Probe one device. An unreachable device, or one whose probe fails, gives `reachable=False`."""
+    argv = shlex.join(["-c", _PROBE, site.root, str(site.port), *site.managed_files])
+    try:
+        result = transport.run(f"{_interpreter(site)} {argv}", timeout=PROBE_TIMEOUT_S)
+        result.check(f"{site.name}: the facts probe")
+        data = json.loads(result.stdout.strip().splitlines()[-1])
+    except TransportError as exc:
+        return DeviceFacts(name=site.name, reachable=False, error=exc.message)
+    except (ValueError, IndexError):
+        return DeviceFacts(name=site.name, reachable=False, error="the facts probe printed no JSON")
+    state = data.get("state") or {}
+    return DeviceFacts(
+        name=site.name,
+        reachable=True,
+        agent_version=data.get("agent_version"),
+        model_version=state.get("installed_version"),
+        model_sha256=state.get("artifact_sha256"),
+        release_counter=int(state.get("release_counter") or 0),
+        free_disk_bytes=data.get("free_disk"),
+        free_memory_bytes=data.get("free_memory"),
+        unit_hashes={k: v for k, v in data["hashes"].items() if v is not None},
+        ready=bool(data.get("ready")) and data.get("served") == state.get("installed_version"),
+        systemd=bool(data.get("systemd")),
+    )
+
+
+def gather_fleet(
+    sites: Sequence[DeviceSite], transports: Callable[[DeviceSite], Transport], *, parallel: int
+) -> list[DeviceFacts]:
+    """Facts of every device, at most `parallel` probes at once, in the order of `sites`."""
+    outcomes = run_bounded(sites, lambda s: gather_facts(s, transports(s)), parallel=parallel)
+    return [
+        o.result if o.result is not None else DeviceFacts(o.item.name, False, str(o.error)) for o in outcomes
+    ]
+
+
+def agent_request(
+    site: DeviceSite,
+    transport: Transport,
+    method: str,
+    path: str,
+    body: dict | None = None,
+    *,
+    timeout: float = 60,
+) -> HttpReply:
+    """Call the agent's HTTP API from the device itself (it listens on loopback only).
+
+    Raises TransportError when the device cannot be reached or has no usable interpreter.
+    """
+    payload = json.dumps(body) if body is not None else ""
+    argv = shlex.join(["-c", _HTTP, str(site.port), method, path, payload, str(timeout)])
+    result = transport.run(f"{_interpreter(site)} {argv}", timeout=timeout + 15)
+    result.check(f"{site.name}: HTTP {method} {path}")
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    return HttpReply(int(data["status"]), data["body"], float(data["elapsed_ms"]))
+
+
+def controller_agent_version() -> str:
+    """The agent version devices should run: the controller's own."""
+    return __version__

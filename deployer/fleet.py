@@ -1,0 +1,320 @@
+"""The fleet commands' work, one function each: plan, apply, rollback, status (the CLI only prints).
+
+    plan_fleet     config -> facts of the selected devices -> per-device desired state -> Plan
+    apply_plan     lock, offline policy, releases, executor, audit log
+    rollback_fleet a Plan whose target is an older artifact, issued as a new signed release
+    fleet_status   device, version, health, last result (from the audit log)
+
+A plan file (`plan -o plan.json`) records the Plan and the deploy.yaml it came from; `apply plan.json`
+re-reads the facts and refuses when their digest differs from the one the plan was made from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from deployer.bootstrap import build_wheel, desired_files
+from deployer.config.models import Config, Device
+from deployer.core.hashing import sha256_bytes
+from deployer.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store
+from deployer.errors import ConfigError, SitsError
+from deployer.executor import Executor, OnPhase, RolloutReport
+from deployer.facts import DeviceSite, controller_agent_version, gather_fleet
+from deployer.fleet_state import FleetLock, append_audit, read_audit
+from deployer.plan import DesiredState, DeviceFacts, DeviceStatus, Plan, StepKind, facts_digest, plan_device
+from deployer.rollout import decide_offline
+from deployer.transport import LocalTransport, Transport
+
+__all__ = [
+    "Fleet",
+    "FleetPlan",
+    "apply_plan",
+    "check_plan_file",
+    "fleet_status",
+    "load_plan_file",
+    "plan_fleet",
+    "prepare_releases",
+    "rollback_target",
+    "write_plan_file",
+]
+
+PLAN_FILE_KIND = "sits-plan"
+
+
+@dataclass
+class Fleet:
+    """The selected devices of one config, their sites, and one transport per device."""
+
+    config: Config
+    devices: tuple[Device, ...]
+    parallel: int = 4
+
+    def __post_init__(self) -> None:
+        self.sites = {d.name: DeviceSite.of(self.config, d) for d in self.devices}
+        self._transports: dict[str, Transport] = {}
+
+    @classmethod
+    def select(
+        cls,
+        config: Config,
+        *,
+        selector: Mapping[str, str] | None = None,
+        names: Sequence[str] = (),
+        parallel: int = 4,
+    ) -> Fleet:
+        """The devices matching every `selector` label (default: strategy.selector) and, if given, `names`."""
+        labels = dict(config.strategy.selector if selector is None else selector)
+        unknown = set(names) - {d.name for d in config.fleet.devices}
+        if unknown:
+            raise ConfigError(f"no such device(s) in the inventory: {', '.join(sorted(unknown))}")
+        chosen = tuple(
+            d
+            for d in config.fleet.devices
+            if all(d.labels.get(k) == v for k, v in labels.items()) and (not names or d.name in names)
+        )
+        if not chosen:
+            raise ConfigError(
+                "no device matches the selection", hint="check --selector/--device and the labels"
+            )
+        return cls(config, chosen, parallel)
+
+    def transport(self, site: DeviceSite) -> Transport:
+        """The (cached) transport of a device."""
+        if site.name not in self._transports:
+            device = next(d for d in self.devices if d.name == site.name)
+            self._transports[site.name] = _connect(self.config, device, site)
+        return self._transports[site.name]
+
+    def close(self) -> None:
+        """Close every connection."""
+        for transport in self._transports.values():
+            transport.close()
+
+    def facts(self) -> list[DeviceFacts]:
+        """Facts of every selected device, in inventory order."""
+        return gather_fleet(list(self.sites.values()), self.transport, parallel=self.parallel)
+
+    @property
+    def sits_dir(self) -> Path:
+        """The project's `.sits/` directory."""
+        return self.config.base_dir / SITS_DIRNAME
+
+
+def _connect(config: Config, device: Device, site: DeviceSite) -> Transport:
+    if site.local:
+        return LocalTransport(Path(site.root), label=device.name)
+    from deployer.transport.ssh import SshOptions, SshTransport
+
+    options = SshOptions(
+        user=device.user,
+        key_file=config.resolve(device.identity_file) if device.identity_file else None,
+        known_hosts=config.resolve(device.known_hosts) if device.known_hosts else SshOptions().known_hosts,
+        trust_on_first_use=device.trust_on_first_use,
+    )
+    return SshTransport(device.host or device.name, port=device.port, options=options, label=device.name)
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    """A Plan with the facts and target it was made from."""
+
+    plan: Plan
+    facts: tuple[DeviceFacts, ...]
+    target: Desired
+
+
+def plan_fleet(fleet: Fleet, target: Desired, *, rollback: bool = False) -> FleetPlan:
+    """Facts of the fleet minus the target: the per-device plan (patches are made as needed)."""
+    facts = fleet.facts()
+    releaser = Releaser(fleet.config)
+    hooks = frozenset() if rollback else _configured_hooks(fleet.config)
+    devices = []
+    for f in facts:
+        site = fleet.sites[f.name]
+        files = desired_files(fleet.config, site, systemd=f.systemd)
+        patches = {}
+        base = artifact_in_store(fleet.config, f.model_sha256) if f.model_sha256 else None
+        if base is not None and base.artifact_sha256 != target.artifact_sha256:
+            patches[base.artifact_sha256] = releaser.patch(base, target).stat().st_size
+        desired = DesiredState(
+            version=target.version,
+            artifact_sha256=target.artifact_sha256,
+            artifact_bytes=target.artifact_bytes,
+            agent_version=controller_agent_version(),
+            unit_hashes={path: sha256_bytes(data) for path, data in files.items()},
+            patches=patches,
+            hooks=hooks,
+        )
+        devices.append(plan_device(desired, f))
+    plan = Plan(target.version, target.artifact_sha256, tuple(devices), facts_digest(facts))
+    return FleetPlan(plan, tuple(facts), target)
+
+
+def _configured_hooks(config: Config) -> frozenset[str]:
+    hooks = config.hooks
+    return frozenset(
+        phase
+        for phase, hook in (("pre-deploy", hooks.pre_deploy), ("post-deploy", hooks.post_deploy))
+        if hook is not None
+    )
+
+
+def rollback_target(config: Config, to: str | None, current: Sequence[DeviceFacts]) -> Desired:
+    """The artifact a fleet rollback returns to: version `to`, or the newest released version that
+    no selected device runs now. Raises SitsError when the controller no longer has it."""
+    entries = list(reversed(Releaser(config).history()))
+    running = {f.model_sha256 for f in current if f.model_sha256}
+    for entry in entries:
+        if (to is not None and entry.version == to) or (to is None and entry.artifact_sha256 not in running):
+            found = artifact_in_store(config, entry.artifact_sha256)
+            if found is not None:
+                return found
+    raise SitsError(
+        f"no released artifact of {to or 'an earlier version'} in this project's store",
+        hint="rollback goes to versions this controller released; see .sits/releases/ledger.json",
+    )
+
+
+def prepare_releases(fleet: Fleet, fp: FleetPlan) -> dict[str, ReleaseFiles]:
+    """Sign (or reuse) the release each changing device needs; counters above every device's."""
+    releaser = Releaser(fleet.config)
+    floor = max((f.release_counter for f in fp.facts), default=0)
+    facts = {f.name: f for f in fp.facts}
+    out: dict[str, ReleaseFiles] = {}
+    for dp in fp.plan.devices:
+        kinds = {s.kind for s in dp.steps}
+        if StepKind.SEND_PATCH in kinds:
+            base = artifact_in_store(fleet.config, facts[dp.device].model_sha256 or "")
+            out[dp.device] = releaser.release(fp.target, base, floor=floor)
+        elif StepKind.SEND_ARTIFACT in kinds:
+            out[dp.device] = releaser.release(fp.target, None, floor=floor)
+    return out
+
+
+def apply_plan(
+    fleet: Fleet,
+    fp: FleetPlan,
+    *,
+    action: str = "apply",
+    on_phase: OnPhase | None = None,
+    project_dir: Path | None = None,
+) -> RolloutReport:
+    """Execute a plan under the fleet lock and record it in the audit log.
+
+    Raises SitsError when the lock is held or, with `strategy.offline: fail`, a device is offline
+    (nothing changed in either case). Ctrl-C: recorded, then KeyboardInterrupt propagates.
+    """
+    decision = decide_offline(
+        fleet.config.strategy.offline, [d.device for d in fp.plan.devices if d.status is DeviceStatus.OFFLINE]
+    )
+    with FleetLock(fleet.sits_dir, action).held() as lock:
+        if decision.refusal:
+            raise SitsError(decision.refusal, hint="bring the devices back, or set strategy.offline: skip")
+        releases = prepare_releases(fleet, fp)
+        wheel: Callable[[], Path] | None = None
+        if project_dir is not None and (project_dir / "pyproject.toml").is_file():
+
+            def wheel() -> Path:
+                return build_wheel(project_dir, fleet.sits_dir / "wheels")
+
+        executor = Executor(
+            fleet.config,
+            fleet.sites,
+            fleet.transport,
+            parallel=fleet.parallel,
+            on_phase=on_phase,
+            wheel=wheel,
+        )
+        record: dict[str, Any] = {
+            "action": action,
+            "lock_id": lock.lock_id,
+            "plan_digest": fp.plan.facts_digest,
+        }
+        try:
+            report = executor.run(fp.plan, {f.name: f for f in fp.facts}, releases, action=action)
+        except KeyboardInterrupt as exc:
+            append_audit(fleet.sits_dir, {**record, **exc.report.to_dict()})  # type: ignore[attr-defined]
+            raise
+        report = _mark_skipped(report, decision.skipped)
+        append_audit(fleet.sits_dir, {**record, **report.to_dict()})
+        return report
+
+
+def _mark_skipped(report: RolloutReport, skipped: Sequence[str]) -> RolloutReport:
+    results = tuple(replace(r, status="skipped") if r.device in skipped else r for r in report.results)
+    return replace(report, results=results)
+
+
+# -- plan files ------------------------------------------------------------------------------------
+
+
+def write_plan_file(
+    fp: FleetPlan, config_path: Path, out: Path, selector: Mapping[str, str], names: Sequence[str]
+) -> None:
+    """Write a plan file that `apply plan.json` can execute."""
+    data = {
+        "kind": PLAN_FILE_KIND,
+        "config": str(config_path.resolve()),
+        "selector": dict(selector),
+        "devices": list(names),
+        "plan": fp.plan.to_dict(),
+    }
+    out.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def load_plan_file(path: Path) -> dict[str, Any]:
+    """Read a plan file. Raises ConfigError when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable plan file ({exc})") from exc
+    if not isinstance(data, dict) or data.get("kind") != PLAN_FILE_KIND:
+        raise ConfigError(f"{path}: not a plan file written by `sits-deployer plan -o`")
+    return data
+
+
+def check_plan_file(saved: Mapping[str, Any], fresh: FleetPlan) -> None:
+    """Refuse a saved plan unless planning now gives exactly it: same facts, same steps."""
+    plan = saved["plan"]
+    if plan["facts_digest"] != fresh.plan.facts_digest or plan["target_sha256"] != fresh.plan.target_sha256:
+        raise SitsError(
+            "the fleet changed since this plan was made (facts digest or target differ); not applying it",
+            hint="run `sits-deployer plan -o plan.json` again, review it, then apply the new file",
+        )
+    if json.loads(json.dumps(fresh.plan.to_dict())) != plan:
+        raise SitsError(
+            "deploy.yaml changed since this plan was made (the steps differ); not applying it",
+            hint="run `sits-deployer plan -o plan.json` again, review it, then apply the new file",
+        )
+
+
+# -- status ------------------------------------------------------------------------------------------
+
+
+def fleet_status(fleet: Fleet) -> list[dict[str, Any]]:
+    """Per device: version, health, and its result in the last apply or rollback that touched it."""
+    last: dict[str, dict[str, Any]] = {}
+    for record in read_audit(fleet.sits_dir):
+        for result in record.get("results", []):
+            if result.get("status") not in {"unchanged", "not-started"}:
+                last[result["device"]] = {"action": record.get("action"), "at": record.get("at"), **result}
+    rows = []
+    for f in fleet.facts():
+        health = "offline" if not f.reachable else ("ready" if f.ready else "not ready")
+        result = last.get(f.name)
+        rows.append(
+            {
+                "device": f.name,
+                "version": f.model_version,
+                "health": health,
+                "agent": f.agent_version,
+                "release_counter": f.release_counter,
+                "last_result": f"{result['action']} {result['status']} ({result['at']})" if result else None,
+                "error": f.error or (result or {}).get("error"),
+            }
+        )
+    return rows

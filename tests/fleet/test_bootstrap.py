@@ -1,0 +1,50 @@
+"""Bootstrap: a device whose interpreter lacks sits-deployer gets our wheel installed with pip."""
+
+from __future__ import annotations
+
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+from deployer.config import load_config
+from deployer.facts import DeviceSite, gather_facts
+from deployer.transport import LocalTransport
+from tests.fleet.conftest import local_devices, make_project
+
+
+def _bare_venv(path: Path) -> Path:
+    """A venv without sits-deployer whose other packages (torch, ...) come from the test venv."""
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, capture_output=True)
+    purelib = next(path.glob("lib/python*/site-packages"))
+    (purelib / "test-deps.pth").write_text(site.getsitepackages()[0] + "\n")
+    return path / "bin/python"
+
+
+def test_fresh_device_gets_the_agent_from_our_wheel(tmp_path, tiny_model_dir):
+    python = _bare_venv(tmp_path / "device-venv")
+    base = tmp_path / "project"
+    project = make_project(base, {"1.0.0": tiny_model_dir}, local_devices(base, ("fresh",), str(python)))
+    config = load_config(project.config_path)
+    device_site = DeviceSite.of(config, config.fleet.devices[0])
+    before = gather_facts(device_site, LocalTransport(project.device_root("fresh")))
+    assert before.reachable and before.agent_version is None
+    plan = project.run("plan", "--output", "json")
+    assert plan.exit_code == 0
+    assert plan.stdout.count('"bootstrap"') == 1
+    try:
+        result = project.run("apply", "--output", "json")
+        assert result.exit_code == 0, result.output
+        after = gather_facts(device_site, LocalTransport(project.device_root("fresh")))
+        assert after.agent_version is not None
+        assert after.model_version == "1.0.0" and after.ready
+        installed = subprocess.run(
+            [str(python), "-c", "import deployer, sys; sys.stdout.write(deployer.__file__)"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=tmp_path,
+        ).stdout
+        assert str(tmp_path / "device-venv") in installed  # the wheel's copy, not the source tree
+    finally:
+        project.stop_agents()
