@@ -1,6 +1,7 @@
 """systemd units for the device agent, rendered from the jinja2 templates in `templates/`.
 
     render_units(config or UnitParams)  -> {"sits-agent.service": text, "sits-rollback.service": text}
+    render_pull_units(config or UnitParams) -> {"sits-poll.service": text, "sits-poll.timer": text}
     unit_digests(units)                 -> {name: sha256 of the UTF-8 bytes}, what the planner compares
                                            with the device's facts to decide whether to rewrite a unit
     write_units(units, directory)       -> the files, byte for byte what the digests cover
@@ -29,10 +30,13 @@ from deployer.errors import ConfigError
 
 __all__ = [
     "AGENT_UNIT",
+    "POLL_TIMER",
+    "POLL_UNIT",
     "ROLLBACK_UNIT",
     "UnitParams",
     "cpu_quota",
     "memory_max",
+    "render_pull_units",
     "render_units",
     "security_score",
     "unit_digests",
@@ -42,6 +46,8 @@ __all__ = [
 
 AGENT_UNIT = "sits-agent.service"
 ROLLBACK_UNIT = "sits-rollback.service"
+POLL_UNIT = "sits-poll.service"  # pull mode (docs/pull-mode.md)
+POLL_TIMER = "sits-poll.timer"
 AGENT_MODULE_ARGS = ("-m", "deployer.agent.cli")
 MIN_CPU_MILLICORES = 10  # CPUQuota=1%: the kernel cannot schedule a smaller CFS quota per period
 MIN_MEMORY_BYTES = 64 * 2**20  # below this the interpreter and HTTP server alone do not fit
@@ -76,6 +82,9 @@ class UnitParams:
     private_devices: bool = True
     user: str = "sits"
     systemctl: str = "/usr/bin/systemctl"
+    poll_interval_s: int = 900
+    poll_jitter_s: int = 300
+    poll_timeout_s: int = 3600  # a full artifact over a slow link
 
     def __post_init__(self) -> None:
         # Fail while rendering, not on the device: both conversions raise ConfigError.
@@ -139,6 +148,15 @@ def render_units(source: Config | UnitParams, device: Device | None = None) -> d
 
     Raises ConfigError when a resource value cannot be expressed in systemd terms.
     """
+    return _render(source, device, (AGENT_UNIT, ROLLBACK_UNIT))
+
+
+def render_pull_units(source: Config | UnitParams, device: Device | None = None) -> dict[str, str]:
+    """The pull-mode units, name -> text: `sits-poll.service` and the jittered `sits-poll.timer`."""
+    return _render(source, device, (POLL_UNIT, POLL_TIMER))
+
+
+def _render(source: Config | UnitParams, device: Device | None, names: tuple[str, ...]) -> dict[str, str]:
     params = source if isinstance(source, UnitParams) else UnitParams.from_config(source, device)
     context = {
         **{field: getattr(params, field) for field in params.__dataclass_fields__},
@@ -147,7 +165,7 @@ def render_units(source: Config | UnitParams, device: Device | None = None) -> d
         "memory_max": memory_max(params.memory_bytes) if params.memory_bytes is not None else None,
     }
     env = _environment()
-    return {name: env.get_template(f"{name}.j2").render(context) for name in (AGENT_UNIT, ROLLBACK_UNIT)}
+    return {name: env.get_template(f"{name}.j2").render(context) for name in names}
 
 
 def unit_digests(units: dict[str, str]) -> dict[str, str]:
