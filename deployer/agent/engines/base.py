@@ -8,9 +8,12 @@ implementation (torch, llama.cpp) it is talking to.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from deployer.errors import AgentError
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,20 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+
+
+# Below this temperature sampling is greedy (dividing by ~0 would overflow anyway).
+GREEDY_BELOW = 1e-5
+
+
+def check_params(params: SamplingParams) -> None:
+    """Raise AgentError for parameters no sampler can honour."""
+    if params.max_tokens < 1:
+        raise AgentError(f"max_tokens must be at least 1, got {params.max_tokens}")
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise AgentError(f"temperature must be a finite number >= 0, got {params.temperature}")
+    if not (0 < params.top_p <= 1):
+        raise AgentError(f"top_p must be in (0, 1], got {params.top_p}")
 
 
 @dataclass(frozen=True)

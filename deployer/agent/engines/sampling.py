@@ -6,26 +6,15 @@ tokens whatever device produced the logits.
 
 from __future__ import annotations
 
-import math
 import secrets
 
 import torch
 
-from deployer.agent.engines.base import SamplingParams
-from deployer.errors import AgentError
+# Re-exported: the parameter checks live beside SamplingParams, free of torch (the llama.cpp engine
+# uses them without importing torch).
+from deployer.agent.engines.base import GREEDY_BELOW, SamplingParams, check_params
 
-# Below this temperature sampling is greedy (dividing by ~0 would overflow anyway).
-GREEDY_BELOW = 1e-5
-
-
-def check_params(params: SamplingParams) -> None:
-    """Raise AgentError for parameters no sampler can honour."""
-    if params.max_tokens < 1:
-        raise AgentError(f"max_tokens must be at least 1, got {params.max_tokens}")
-    if not math.isfinite(params.temperature) or params.temperature < 0:
-        raise AgentError(f"temperature must be a finite number >= 0, got {params.temperature}")
-    if not (0 < params.top_p <= 1):
-        raise AgentError(f"top_p must be in (0, 1], got {params.top_p}")
+__all__ = ["GREEDY_BELOW", "check_params", "new_generator", "pick_token"]
 
 
 def new_generator(seed: int | None) -> torch.Generator:

@@ -1,0 +1,300 @@
+"""The llama.cpp implementation of `Engine`: a GGUF artifact run by llama-cpp-python, on the CPU.
+
+The GGUF is checked by our own reader (deployer.core.gguf_io) and against the artifact manifest
+before llama.cpp sees it, so a corrupt or lying file is refused with its name, not a crash in C.
+llama.cpp maps the weights (mmap) and runs prefill and decode; prompts are formatted with the chat
+template stored in the GGUF (rendered by the same sandboxed jinja2 as the torch engine), and
+text is streamed through `textstream` (whole characters, stop strings held back) exactly as the
+torch engine does, so both engines answer the API the same way.
+
+llama-cpp-python is an optional extra; without it the engine refuses to start and says how to
+install it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deployer.agent.chat import ChatTemplate
+from deployer.agent.engines.base import (
+    GREEDY_BELOW,
+    ChatMessage,
+    Engine,
+    EngineInfo,
+    SamplingParams,
+    TokenEvent,
+    check_params,
+)
+from deployer.agent.engines.textstream import IncrementalDecoder, StopMatcher
+from deployer.build.manifest import MANIFEST_NAME, read_manifest
+from deployer.core.gguf_io import GGUF_FILE, GGUFHeader, read_gguf_header
+from deployer.errors import AgentError, FormatError
+
+__all__ = ["LlamaCppEngine", "require_llama_cpp"]
+
+DEFAULT_MAX_CONTEXT = 2048
+WARMUP_MESSAGES = (ChatMessage("user", "Hello"),)
+WARMUP_TOKENS = 4
+INSTALL_HINT = "pip install 'sits-deployer[llamacpp]' (it compiles llama.cpp: several minutes, once)"
+# Token types that can end generation (gguf TokenType CONTROL, USER_DEFINED): few, so the
+# end-of-generation set is asked of llama.cpp once at load rather than per token.
+_SPECIAL_TOKEN_TYPES = (3, 4)
+
+
+def require_llama_cpp() -> Any:
+    """The `llama_cpp` module, or AgentError naming the extra to install."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise AgentError(
+            "the llama.cpp engine needs llama-cpp-python, which is not installed", hint=INSTALL_HINT
+        ) from exc
+    return llama_cpp
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """What load() produced: the llama.cpp model and what we read about it ourselves."""
+
+    llm: Any
+    header: GGUFHeader
+    name: str
+    version: str
+    quantization: str
+    template: ChatTemplate | None
+    end_ids: frozenset[int]
+    add_bos: bool
+
+
+class LlamaCppEngine(Engine):
+    """Runs a GGUF artifact with llama.cpp, one sequence at a time."""
+
+    def __init__(self, *, max_context: int = DEFAULT_MAX_CONTEXT, threads: int | None = None) -> None:
+        """`max_context` caps the KV cache; `threads` is llama.cpp's thread count (default: the CPUs
+        this process may run on). Raises AgentError when llama-cpp-python is not installed."""
+        self._llama_cpp = require_llama_cpp()
+        self._max_context = max_context
+        self._threads = threads or len(os.sched_getaffinity(0))
+        self._loaded: _Loaded | None = None
+        self._busy = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def load(self, artifact_dir: Path) -> None:
+        """Check the artifact's GGUF and manifest, then let llama.cpp map it.
+
+        Raises FormatError for a missing, corrupt or inconsistent GGUF, AgentError when llama.cpp
+        refuses the file anyway.
+        """
+        path = artifact_dir / GGUF_FILE
+        if not path.is_file():
+            raise FormatError(
+                f"{artifact_dir}: no {GGUF_FILE} (the llama.cpp engine runs GGUF artifacts)",
+                hint="build with `agent.engine: llama.cpp` in deploy.yaml, or set `engine: torch`",
+            )
+        header = read_gguf_header(path)
+        name, version, quantization = _facts(artifact_dir, header)
+        n_ctx = min(self._max_context, header.integer("llama.context_length") or self._max_context)
+        try:
+            llm = self._llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_batch=min(512, n_ctx),
+                n_threads=self._threads,
+                n_threads_batch=self._threads,
+                use_mmap=True,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError) as exc:  # llama-cpp-python's errors for a refused model
+            raise AgentError(f"{path}: llama.cpp could not load the model: {exc}") from exc
+        template_source = header.string("tokenizer.chat_template")
+        template = None
+        if template_source:
+            template = ChatTemplate(template_source, _special_tokens(header), path)
+        self._loaded = _Loaded(
+            llm=llm,
+            header=header,
+            name=name,
+            version=version,
+            quantization=quantization,
+            template=template,
+            end_ids=self._end_ids(llm, header),
+            add_bos=bool(header.metadata.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    def _end_ids(self, llm: Any, header: GGUFHeader) -> frozenset[int]:
+        """Tokens that end generation as llama.cpp itself decides (eos, eot, <|im_end|>, ...)."""
+        vocab = self._llama_cpp.llama_model_get_vocab(llm.model)
+        types = header.metadata.get("tokenizer.ggml.token_type") or []
+        candidates = {i for i, kind in enumerate(types) if kind in _SPECIAL_TOKEN_TYPES}
+        candidates.add(llm.token_eos())
+        return frozenset(t for t in candidates if self._llama_cpp.llama_vocab_is_eog(vocab, t))
+
+    def warmup(self) -> None:
+        """A short greedy generation, so buffers and threads are ready for the first request."""
+        loaded = self._require()
+        prompt = self.chat_prompt(WARMUP_MESSAGES) if loaded.template else self.encode("Hello")
+        for _ in self.stream(prompt, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0)):
+            pass
+
+    def unload(self) -> None:
+        """Free the model (llama.cpp's context and the mapping); the engine cannot be used afterwards.
+
+        A generation still running keeps its own reference and frees the model when it ends.
+        """
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None and not self._busy.locked():
+            loaded.llm.close()
+
+    # -- text ------------------------------------------------------------------------------
+
+    def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Messages formatted with the GGUF's chat template, then tokenized (special tokens parsed)."""
+        loaded = self._require()
+        if loaded.template is None:
+            raise AgentError(
+                "this model has no chat template", hint="use /v1/completions with a plain prompt"
+            )
+        text = loaded.template.render(messages, add_generation_prompt=True)
+        return loaded.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids, with BOS when the GGUF says the tokenizer adds one."""
+        loaded = self._require()
+        return loaded.llm.tokenize(text.encode("utf-8"), add_bos=loaded.add_bos, special=False)
+
+    def decode(self, ids: list[int]) -> str:
+        """Ids to text, special tokens left out (an incomplete character decodes as U+FFFD)."""
+        return self._require().llm.detokenize(ids).decode("utf-8", errors="replace")
+
+    # -- generation ------------------------------------------------------------------------
+
+    def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
+        """Generate from `prompt`; see Engine.stream. Raises AgentError for a prompt that does not
+        fit the context, bad sampling parameters, or a call while another generation runs."""
+        loaded = self._require()
+        check_params(params)
+        if not prompt:
+            raise AgentError("the prompt is empty")
+        room = loaded.llm.n_ctx() - len(prompt)
+        if room < 1:
+            raise AgentError(
+                f"the prompt has {len(prompt)} tokens; the context holds {loaded.llm.n_ctx()}",
+                hint="shorten the prompt",
+            )
+        return self._generate(loaded, prompt, params, min(params.max_tokens, room))
+
+    def _generate(
+        self, loaded: _Loaded, prompt: list[int], params: SamplingParams, budget: int
+    ) -> Iterator[TokenEvent]:
+        # Taken on the first next(), inside the generator, so an iterator that is never started
+        # holds nothing; closing it mid-run (client gone) stops llama.cpp's loop (finally).
+        if not self._busy.acquire(blocking=False):
+            raise AgentError("the engine is already generating", hint="serialize calls to stream()")
+        tokens = None
+        try:
+            # A fresh seed when none is asked for: the last request's must not repeat its answers.
+            loaded.llm.set_seed(secrets.randbits(31) if params.seed is None else params.seed % 2**32)
+            greedy = params.temperature < GREEDY_BELOW
+            # top_k 0 and min_p 0 switch those samplers off: OpenAI's API has neither.
+            tokens = loaded.llm.generate(
+                prompt,
+                top_k=0,
+                top_p=params.top_p,
+                min_p=0.0,
+                temp=0.0 if greedy else params.temperature,
+                repeat_penalty=1.0,
+            )
+            decoder, stopper = IncrementalDecoder(self._decoder(loaded)), StopMatcher(params.stop)
+            for step, token in enumerate(tokens):
+                if token in loaded.end_ids:
+                    yield TokenEvent(token, _final_text(decoder, stopper), "stop")
+                    return
+                text, stopped = stopper.feed(decoder.push(token))
+                if stopped:
+                    yield TokenEvent(token, text, "stop")
+                    return
+                if step == budget - 1:
+                    yield TokenEvent(token, text + _final_text(decoder, stopper), "length")
+                    return
+                yield TokenEvent(token, text)
+        finally:
+            if tokens is not None:
+                tokens.close()
+            self._busy.release()
+            if self._loaded is not loaded:  # unloaded while this generation ran: free it now
+                loaded.llm.close()
+
+    @staticmethod
+    def _decoder(loaded: _Loaded) -> Any:
+        return lambda ids: loaded.llm.detokenize(ids).decode("utf-8", errors="replace")
+
+    # -- facts -----------------------------------------------------------------------------
+
+    def describe(self) -> EngineInfo:
+        """Model, GGUF quantization, the ggml kernels in use, and the context length."""
+        loaded = self._require()
+        return EngineInfo(
+            engine="llama.cpp",
+            model=loaded.name,
+            version=loaded.version,
+            quantization=loaded.quantization,
+            kernel=f"ggml-cpu {loaded.quantization}",
+            device="cpu",
+            context_length=loaded.llm.n_ctx(),
+            extra={
+                "threads": str(self._threads),
+                "gguf": str(loaded.header.path),
+                "mmap": "true",
+                "llama_cpp_python": getattr(self._llama_cpp, "__version__", "unknown"),
+                "architecture": loaded.header.string("general.architecture") or "unknown",
+            },
+        )
+
+    def _require(self) -> _Loaded:
+        if self._loaded is None:
+            raise AgentError("no model is loaded in this engine", hint="call load() first")
+        return self._loaded
+
+
+def _final_text(decoder: IncrementalDecoder, stopper: StopMatcher) -> str:
+    """The text still held back when generation ends without a stop string."""
+    text, stopped = stopper.feed(decoder.flush())
+    return text if stopped else text + stopper.flush()
+
+
+def _facts(artifact_dir: Path, header: GGUFHeader) -> tuple[str, str, str]:
+    """(name, version, quantization label), from the manifest when there is one, checked against the
+    GGUF's tensor table (a manifest that describes another file is refused)."""
+    linear = Counter(t.dtype for t in header.tensors if len(t.shape) == 2 and t.name.startswith("blk."))
+    quantization = "+".join(sorted(linear)) or "unknown"
+    if not (artifact_dir / MANIFEST_NAME).is_file():
+        return header.string("general.name") or artifact_dir.name, "unversioned", quantization
+    manifest = read_manifest(artifact_dir)
+    stored = {t.name: t.dtype for t in header.tensors}
+    listed = {name: t.dtype for name, t in manifest.tensors.items() if t.file == GGUF_FILE}
+    if stored != listed:
+        raise FormatError(
+            f"{header.path}: the tensor table does not match {artifact_dir / MANIFEST_NAME}",
+            hint="the artifact is corrupt or mixed from two builds; reinstall it",
+        )
+    return manifest.model.name, manifest.model.version, quantization
+
+
+def _special_tokens(header: GGUFHeader) -> dict[str, str]:
+    """bos_token/eos_token/... for the chat template, from the GGUF's token list."""
+    tokens = header.metadata.get("tokenizer.ggml.tokens") or []
+    found = {}
+    for key in ("bos", "eos", "unknown", "padding"):
+        token_id = header.integer(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            name = {"unknown": "unk", "padding": "pad"}.get(key, key)
+            found[f"{name}_token"] = tokens[token_id]
+    return found
