@@ -26,7 +26,7 @@ from deployer.executor import Executor, OnPhase, RolloutReport
 from deployer.facts import DeviceSite, controller_agent_version, gather_fleet
 from deployer.fleet_state import FleetLock, append_audit, read_audit
 from deployer.plan import DesiredState, DeviceFacts, DeviceStatus, Plan, StepKind, facts_digest, plan_device
-from deployer.rollout import decide_offline
+from deployer.rollout import OfflineDecision, decide_offline
 from deployer.transport import LocalTransport, Transport
 
 __all__ = [
@@ -208,9 +208,7 @@ def apply_plan(
     Raises SitsError when the lock is held or, with `strategy.offline: fail`, a device is offline
     (nothing changed in either case). Ctrl-C: recorded, then KeyboardInterrupt propagates.
     """
-    decision = decide_offline(
-        fleet.config.strategy.offline, [d.device for d in fp.plan.devices if d.status is DeviceStatus.OFFLINE]
-    )
+    decision = _offline_decision(fleet, fp)
     with FleetLock(fleet.sits_dir, action).held() as lock:
         if decision.refusal:
             raise SitsError(decision.refusal, hint="bring the devices back, or set strategy.offline: skip")
@@ -242,6 +240,25 @@ def apply_plan(
         report = _mark_skipped(report, decision.skipped)
         append_audit(fleet.sits_dir, {**record, **report.to_dict()})
         return report
+
+
+def _offline_decision(fleet: Fleet, fp: FleetPlan) -> OfflineDecision:
+    offline = [d.device for d in fp.plan.devices if d.status is DeviceStatus.OFFLINE]
+    return decide_offline(fleet.config.strategy.offline, offline)
+
+
+def check_unchanged(fleet: Fleet, fp: FleetPlan) -> None:
+    """For a plan with no changes: raise unless every device really matches.
+
+    Offline devices (under `strategy.offline: fail`) and blocked ones have no steps either, so
+    "no changes" alone would report a fleet that has not converged as done.
+    """
+    decision = _offline_decision(fleet, fp)
+    if decision.refusal:
+        raise SitsError(decision.refusal, hint="bring the devices back, or set strategy.offline: skip")
+    blocked = [f"{d.device} ({d.reason})" for d in fp.plan.devices if d.status is DeviceStatus.BLOCKED]
+    if blocked:
+        raise SitsError(f"device(s) cannot take the update: {', '.join(blocked)}")
 
 
 def _mark_skipped(report: RolloutReport, skipped: Sequence[str]) -> RolloutReport:

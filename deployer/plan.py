@@ -166,9 +166,12 @@ def plan_device(desired: DesiredState, facts: DeviceFacts) -> DevicePlan:
     steps.extend(model_steps)
     if not steps:
         return DevicePlan(**base, status=DeviceStatus.UNCHANGED, reason="already matches")
+    # The headline is what moves the model, when something does; else the first step.
+    headline = (StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT, StepKind.RELOAD)
+    reason = next((s.reason for s in steps if s.kind in headline), steps[0].reason)
     if model_steps:
         steps = _with_hooks(desired, steps)
-    return DevicePlan(**base, status=DeviceStatus.CHANGE, reason=steps[0].reason, steps=tuple(steps))
+    return DevicePlan(**base, status=DeviceStatus.CHANGE, reason=reason, steps=tuple(steps))
 
 
 def _model_steps(desired: DesiredState, facts: DeviceFacts) -> list[Step] | str:

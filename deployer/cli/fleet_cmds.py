@@ -204,7 +204,7 @@ def apply(
 ) -> None:
     """Make the fleet match deploy.yaml (or execute a saved plan.json), by the configured strategy."""
     from deployer.desired import build_target
-    from deployer.fleet import check_plan_file, load_plan_file, plan_fleet
+    from deployer.fleet import check_plan_file, check_unchanged, load_plan_file, plan_fleet
     from deployer.fleet_state import force_unlock as unlock
 
     saved = load_plan_file(plan_file) if plan_file else None
@@ -228,7 +228,9 @@ def apply(
             emit_json(fp.plan.to_dict())
         else:
             console().print(_plan_table(fp.plan))
-            info("no changes" if not fp.plan.has_changes else "dry run: nothing was changed")
+        if not dry_run:
+            check_unchanged(fleet, fp)
+        info("no changes" if not fp.plan.has_changes else "dry run: nothing was changed")
         return
     _execute(fleet, fp, "apply", output)
 

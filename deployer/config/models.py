@@ -416,7 +416,9 @@ class Config(_Model):
     @property
     def base_dir(self) -> Path:
         """The directory relative paths in this config are resolved against."""
-        return self._path.parent if self._path is not None else Path.cwd()
+        # Absolute, so a path resolved here means the same from any working directory
+        # (device commands run with their own cwd).
+        return self._path.absolute().parent if self._path is not None else Path.cwd()
 
     def resolve(self, relative: str) -> Path:
         """A path from this config (``~`` expanded) resolved against `base_dir`."""

@@ -1,0 +1,27 @@
+"""`sits-deployer demo`: the whole story on a local fleet, with the embedded model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command(
+    epilog="Examples:\n\n  sits-deployer demo\n\n  sits-deployer demo --workdir /tmp/sits-demo --keep"
+)
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Where the demo project lives (default: a new temporary directory).",
+)
+@click.option("--keep", is_flag=True, help="Keep the demo project (keys, store, device roots) afterwards.")
+@click.option(
+    "--finetune-steps", default=30, show_default=True, type=click.IntRange(min=1), help="AdamW steps for v2."
+)
+def demo(workdir: Path | None, keep: bool, finetune_steps: int) -> None:
+    """Run the demo: 3 local devices, v1 (int8), a fine-tuned v2 as a canary delta under live
+    traffic, then a fleet rollback to v1. Stops its agents and cleans up after itself."""
+    from deployer.demo.run import DemoOptions, run_demo
+
+    run_demo(DemoOptions(workdir=workdir, keep=keep, finetune_steps=finetune_steps))

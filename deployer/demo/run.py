@@ -1,0 +1,244 @@
+"""The demo: a local 3-device fleet goes from nothing to v1, to a fine-tuned v2 by delta patch under
+canary with live traffic, and back to v1 - through the real `sits-deployer` commands.
+
+Each step prints the command a user would type and runs it in a subprocess, so the demo exercises
+exactly what the README documents. Everything lives in one work directory, removed at the end
+(unless asked to keep it); the agents are stopped even when a step fails.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from deployer.cli.common import console
+from deployer.errors import SitsError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "deploy.yaml"
+PROBES = ("What is SITS-Deployer?", "What is the capital of France?")
+PASSPHRASE_ENV = "SITS_SIGNING_PASSPHRASE"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """How the demo runs: where, how many fine-tune steps, and whether to keep the work dir."""
+
+    workdir: Path | None = None
+    keep: bool = False
+    finetune_steps: int = 30
+
+
+@dataclass
+class DemoProject:
+    """The demo's project on disk: deploy.yaml, keys, device roots, agent ports."""
+
+    dir: Path
+    ports: dict[str, int]
+    env: dict[str, str]
+
+    @property
+    def config(self) -> Path:
+        return self.dir / "deploy.yaml"
+
+
+def run_demo(options: DemoOptions) -> None:
+    """Run every step; raise SitsError naming the step that failed."""
+    base = options.workdir or Path(tempfile.mkdtemp(prefix="sits-demo-"))
+    base.mkdir(parents=True, exist_ok=True)
+    project = None
+    started = time.monotonic()
+    try:
+        project = _step("Create signing keys and the demo project", lambda: make_project(base))
+        _story(project, options)
+        console().print(f"\n[bold green]Demo finished[/bold green] in {time.monotonic() - started:.0f} s.")
+    finally:
+        if project is not None:
+            stop_agents(project.config, project.env)
+        if options.keep:
+            console().print(f"The demo project is kept in {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _story(project: DemoProject, options: DemoOptions) -> None:
+    _cli(project, "Validate deploy.yaml", ["validate", "-f", "deploy.yaml"])
+    _cli(project, "Build v1: SmolLM2-135M-Instruct, int8, quality-gated", ["build", "-f", "deploy.yaml"])
+    _cli(project, "Plan the rollout (nothing is changed)", ["plan", "-f", "deploy.yaml"])
+    _cli(project, "Apply v1 to the fleet", ["apply", "-f", "deploy.yaml"])
+    _ask_fleet(project, "v1 answers")
+
+    from deployer.build.demo_model import prepare_smollm2
+    from deployer.demo.finetune import finetune
+
+    v2_dir = project.dir / "models" / "smollm2-v2"
+    _step(
+        f"Fine-tune v2 ({options.finetune_steps} AdamW steps on a few chat exchanges)",
+        lambda: finetune(prepare_smollm2(), v2_dir, steps=options.finetune_steps),
+    )
+    _set_model(project, "1.1.0", str(v2_dir))
+    _cli(project, "Build v2", ["build", "-f", "deploy.yaml"])
+    _cli(project, "Plan v2: a delta patch per device", ["plan", "-f", "deploy.yaml"])
+    report = _apply_under_traffic(project)
+    _print_sizes(project)
+    _ask_fleet(project, "v2 answers")
+    console().print(
+        f"Traffic during the canary rollout: [bold]{report.ok} ok, {report.failed} failed[/bold] "
+        f"(answered by {dict(report.versions)})"
+    )
+    if report.failed:
+        raise SitsError(f"{report.failed} requests failed during the update: {dict(report.errors)}")
+    _cli(
+        project,
+        "Roll the fleet back to v1 (a new signed release)",
+        ["rollback", "-f", "deploy.yaml", "--to", "1.0.0"],
+    )
+    _cli(project, "Fleet status", ["status", "-f", "deploy.yaml"])
+    _ask_fleet(project, "after rollback")
+
+
+def make_project(base: Path) -> DemoProject:
+    """The quickstart example, made runnable here: fresh keys, device roots and ports in `base`."""
+    env = dict(os.environ)
+    env[PASSPHRASE_ENV] = secrets.token_urlsafe(24)  # never printed; lives only in this process tree
+    env.setdefault("COLUMNS", "150")  # tables in the subcommands stay readable when piped
+    keys = base / "keys"
+    keys.mkdir(parents=True, exist_ok=True)
+    _run(
+        [*_sits(), "keygen", "--passphrase-env", PASSPHRASE_ENV, "-o", str(keys / "release")], env, quiet=True
+    )
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    example_dir = EXAMPLE.parent
+    doc["model"]["quality_gate"]["eval_text"] = str(
+        (example_dir / doc["model"]["quality_gate"]["eval_text"]).resolve()
+    )
+    doc["signing"] = {
+        "private_key": "keys/release.key",
+        "passphrase_env": PASSPHRASE_ENV,
+        "trusted_keys": ["keys/release.pub"],
+    }
+    for phase, hook in list(doc.get("hooks", {}).items()):
+        path = hook["path"] if isinstance(hook, dict) else hook
+        resolved = str((example_dir / path).resolve())
+        doc["hooks"][phase] = {**hook, "path": resolved} if isinstance(hook, dict) else resolved
+    ports = {}
+    for device in doc["fleet"]["devices"]:
+        device["root"] = f"fleet/{device['name']}"
+        device["python"] = sys.executable  # the agent runs from this environment, no wheel install
+        device["agent_port"] = ports[device["name"]] = _free_port()
+        (base / device["root"]).mkdir(parents=True, exist_ok=True)
+    (base / "deploy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    return DemoProject(base, ports, env)
+
+
+def _set_model(project: DemoProject, version: str, source: str) -> None:
+    doc = yaml.safe_load(project.config.read_text())
+    doc["model"]["version"] = version
+    doc["model"]["source"] = source
+    project.config.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def _apply_under_traffic(project: DemoProject) -> object:
+    from deployer.demo.traffic import Traffic
+
+    with Traffic(list(project.ports.values()), question=PROBES[1]) as traffic:
+        _cli(
+            project,
+            "Apply v2 under canary while a client keeps sending requests",
+            ["apply", "-f", "deploy.yaml"],
+        )
+    return traffic.report
+
+
+def _ask_fleet(project: DemoProject, title: str) -> None:
+    from rich.table import Table
+
+    from deployer.demo.traffic import ask
+
+    table = Table(title=title, title_justify="left")
+    for column in ("device", "version", "question", "answer"):
+        table.add_column(column)
+    for name, port in project.ports.items():
+        for question in PROBES:
+            answer, model = ask(port, question)
+            table.add_row(name, model.rpartition("@")[2], question, answer)
+    console().print(table)
+
+
+def _print_sizes(project: DemoProject) -> None:
+    patches = sorted((project.dir / ".sits" / "patches").rglob("*.patch"), key=lambda p: p.stat().st_mtime)
+    artifacts = project.dir / ".sits" / "store" / "artifacts"
+    full = max((_dir_size(a) for a in artifacts.iterdir()), default=0) if artifacts.is_dir() else 0
+    if patches and full:
+        size = patches[-1].stat().st_size
+        console().print(
+            f"Patch v1 -> v2: [bold]{size / 1e6:.1f} MB[/bold] against {full / 1e6:.1f} MB for the full "
+            f"artifact ({100 * size / full:.1f}%)"
+        )
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def stop_agents(config_path: Path, environ: dict[str, str]) -> None:
+    """Stop every local device's agent (the demo fleet runs them as background processes)."""
+    from deployer.bootstrap import stop_agent
+    from deployer.config import load_config
+    from deployer.facts import DeviceSite
+    from deployer.transport import LocalTransport
+
+    config = load_config(config_path, environ=environ)
+    for device in config.fleet.devices:
+        root = config.resolve(device.root)
+        if device.transport == "local" and root.is_dir():
+            stop_agent(DeviceSite.of(config, device), LocalTransport(root))
+
+
+def _step(title: str, action: Callable[[], object]) -> object:
+    console().rule(f"[bold]{title}")
+    started = time.monotonic()
+    result = action()
+    console().print(f"[dim]({time.monotonic() - started:.1f} s)[/dim]")
+    return result
+
+
+def _cli(
+    project: DemoProject, title: str, args: list[str], *, check: bool = True, quiet: bool = False
+) -> None:
+    def go() -> None:
+        if not quiet:
+            console().print(f"[cyan]$ sits-deployer {' '.join(args)}[/cyan]")
+        rc = _run([*_sits(), *args], project.env, cwd=project.dir, quiet=quiet)
+        if rc != 0 and check:
+            raise SitsError(f"demo step failed: sits-deployer {' '.join(args)} (exit {rc})")
+
+    if quiet:
+        go()
+    else:
+        _step(title, go)
+
+
+def _run(argv: list[str], env: dict[str, str], *, cwd: Path | None = None, quiet: bool = False) -> int:
+    out = subprocess.DEVNULL if quiet else None
+    return subprocess.run(argv, env=env, cwd=cwd, stdout=out, stderr=out, check=False).returncode
+
+
+def _sits() -> list[str]:
+    return [sys.executable, "-m", "deployer"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

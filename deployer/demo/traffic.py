@@ -1,0 +1,75 @@
+"""A client that keeps asking the fleet while it is updated, and counts what failed.
+
+It uses the official `openai` client, as a user's application would, against loopback agents
+only; it is bounded by a stop event and a request cap so it always ends by itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class TrafficReport:
+    """Requests sent during a window, by outcome, and by the model version that answered."""
+
+    ok: int = 0
+    failed: int = 0
+    errors: Counter = field(default_factory=Counter)
+    versions: Counter = field(default_factory=Counter)
+
+
+def client(port: int, *, timeout_s: float = 120.0) -> object:
+    """An openai client for the agent on a loopback port."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"http://{LOOPBACK}:{port}/v1", api_key="demo", timeout=timeout_s, max_retries=0)
+
+
+def ask(port: int, question: str, *, max_tokens: int = 32) -> tuple[str, str]:
+    """One greedy chat completion: (answer text, model version that answered)."""
+    reply = client(port).chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    return (reply.choices[0].message.content or "").strip(), reply.model
+
+
+class Traffic:
+    """Round-robin chat requests to `ports` in a background thread until stopped."""
+
+    def __init__(self, ports: list[int], *, question: str, max_requests: int = 2000) -> None:
+        self._ports = ports
+        self._question = question
+        self._max = max_requests
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="demo-traffic", daemon=True)
+        self.report = TrafficReport()
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=180)
+
+    def _run(self) -> None:
+        sent = 0
+        while not self._stop.is_set() and sent < self._max:
+            port = self._ports[sent % len(self._ports)]
+            sent += 1
+            try:
+                _, version = ask(port, self._question, max_tokens=8)
+            except Exception as exc:  # any failure is what we count; the demo prints them
+                self.report.failed += 1
+                self.report.errors[type(exc).__name__] += 1
+            else:
+                self.report.ok += 1
+                self.report.versions[version] += 1
