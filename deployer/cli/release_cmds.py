@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from deployer.build.manifest import MANIFEST_NAME, read_manifest
-from deployer.cli.common import emit_json, info, output_option
+from deployer.cli.common import emit_json, examples, info, output_option
 from deployer.core.hashing import sha256_file
+from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.core.release import Envelope, PatchRef, make_release, read_envelope
 from deployer.core.verify import (
     Installed,
@@ -25,7 +25,7 @@ from deployer.core.verify import (
 )
 from deployer.errors import KeyFileError, SitsError
 
-PASSPHRASE_ENV = "SITS_KEY_PASSPHRASE"
+PASSPHRASE_ENV = "SITS_SIGNING_PASSPHRASE"
 _DURATION = re.compile(r"^(\d+)([dhms])$")
 _UNITS = {"d": "days", "h": "hours", "m": "minutes", "s": "seconds"}
 
@@ -104,7 +104,12 @@ def _write_envelope(envelope: Envelope, path: Path) -> None:
     tmp.replace(path)
 
 
-@click.command()
+@click.command(
+    epilog=examples(
+        "sits-deployer keygen -o keys/release",
+        "SITS_SIGNING_PASSPHRASE=... sits-deployer keygen -o keys/release --output json",
+    )
+)
 @click.option(
     "-o",
     "--out",
@@ -138,7 +143,12 @@ def keygen(prefix: Path, passphrase_env: str, unencrypted: bool, output: str) ->
         info(f"key {pair.keyid}: private {pair.private_path} (mode 0600), public {pair.public_path}")
 
 
-@click.command()
+@click.command(
+    epilog=examples(
+        "sits-deployer sign release.json --key keys/release.key",
+        "sits-deployer sign release.json --key keys/a.key --key keys/b.key -o signed.json",
+    )
+)
 @click.argument("manifest", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option(
     "--key",
@@ -162,7 +172,12 @@ def sign(manifest: Path, keys: tuple[Path, ...], out: Path | None, passphrase_en
         info(f"{out or manifest}: signed by {', '.join(keyids)}")
 
 
-@click.command()
+@click.command(
+    epilog=examples(
+        "sits-deployer verify release.json --trusted-key keys/release.pub",
+        "sits-deployer verify release.json --trusted-key keys/release.pub --installed ./v1 --patch v.patch",
+    )
+)
 @click.argument("manifest", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @trusted_key_option
 @threshold_option
@@ -220,7 +235,11 @@ def verify(
         )
 
 
-@click.command()
+@click.command(
+    epilog=examples(
+        "sits-deployer delta --from .sits/store/artifacts/<v1> --to .sits/store/artifacts/<v2> -o v1-v2.patch"
+    )
+)
 @click.option(
     "--from",
     "base",
@@ -263,7 +282,13 @@ def delta(base: Path, target: Path, out: Path, output: str) -> None:
         info(f"{out}: {summary.size:,} bytes ({ratio:.2%} of the target), codecs {summary.codecs}")
 
 
-@click.command(name="patch-apply")
+@click.command(
+    name="patch-apply",
+    epilog=examples(
+        "sits-deployer patch-apply --base ./v1 --patch v1-v2.patch -o ./staging",
+        "sits-deployer patch-apply --base ./v1 --patch v.patch -o out --manifest r.json --trusted-key k.pub",
+    ),
+)
 @click.option(
     "--base",
     required=True,
@@ -323,7 +348,12 @@ def patch_apply(
         info(f"{out}: {len(files)} files written and verified")
 
 
-@click.command()
+@click.command(
+    epilog=examples(
+        "sits-deployer release ./v2 --counter 7 --key keys/release.key -o release.json",
+        "sits-deployer release ./v2 --counter 8 --base ./v1 --patch v.patch --key keys/release.key -o r.json",
+    )
+)
 @click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option(
     "--counter",

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from deployer.cli.main import cli
 from tests.release.helpers import tree
 
-PASS = {"SITS_KEY_PASSPHRASE": "a long test passphrase"}
+PASS = {"SITS_SIGNING_PASSPHRASE": "a long test passphrase"}
 
 
 def _run(*args: str, code: int = 0) -> dict | None:
@@ -142,7 +142,7 @@ def test_patch_apply_failure_leaves_staging_empty(fleet, keys, tmp_path):
 
 
 def test_keygen_without_passphrase_or_flag_fails(tmp_path):
-    result = CliRunner().invoke(cli, ["keygen", "-o", str(tmp_path / "k")], env={"SITS_KEY_PASSPHRASE": None})
+    result = CliRunner().invoke(cli, ["keygen", "-o", str(tmp_path / "k")], env={"SITS_SIGNING_PASSPHRASE": None})
     assert result.exit_code == 1
     assert "no passphrase" in result.stderr
     assert not (tmp_path / "k.key").exists()
@@ -153,5 +153,5 @@ def test_keygen_without_passphrase_or_flag_fails(tmp_path):
 def test_secrets_are_never_printed(tmp_path):
     result = CliRunner().invoke(cli, ["keygen", "-o", str(tmp_path / "k")], env=PASS)
     key = (tmp_path / "k.key").read_text()
-    assert PASS["SITS_KEY_PASSPHRASE"] not in result.output + result.stderr
+    assert PASS["SITS_SIGNING_PASSPHRASE"] not in result.output + result.stderr
     assert key.splitlines()[1] not in result.output + result.stderr
