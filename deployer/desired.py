@@ -23,10 +23,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from deployer.build.manifest import read_manifest
 from deployer.build.store import STORE_DIRNAME, Store
 from deployer.config.models import Config
 from deployer.core.hashing import sha256_file
+from deployer.core.manifest import read_manifest
 from deployer.core.release import PatchRef, make_release, parse_time
 from deployer.errors import ConfigError, KeyFileError, SitsError
 

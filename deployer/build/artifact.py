@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from deployer.build.manifest import MANIFEST_NAME, ArtifactManifest, parse_manifest, read_manifest
-from deployer.build.quantize import TORCH_DTYPES, ModuleQuant, StoredTensor, dequantize
+from deployer.build.quantize import StoredTensor
 from deployer.core.canonical import canonical_json
 from deployer.core.hashing import sha256_bytes, sha256_file
+from deployer.core.manifest import MANIFEST_NAME, ArtifactManifest, parse_manifest, read_manifest
+from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant, dequantize
 from deployer.core.safetensors_io import DTYPE_SIZES
 from deployer.errors import BuildError
 

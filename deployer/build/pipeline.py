@@ -27,13 +27,14 @@ from deployer.build.artifact import (
     read_manifest,
     write_manifest,
 )
-from deployer.build.manifest import FORMAT_VERSION
 from deployer.build.progress import BuildProgress, SilentProgress
-from deployer.build.quantize import ModuleQuant, TensorPlan, plan_tensor, quantize_tensor
+from deployer.build.quantize import TensorPlan, plan_tensor, quantize_tensor
 from deployer.build.source import SourceModel, iter_tensors, open_source, source_sha256
 from deployer.build.spec import BuildRequest, BuildResult, QualityReport
 from deployer.build.store import Store, build_key
 from deployer.core.hashing import sha256_file
+from deployer.core.manifest import FORMAT_VERSION
+from deployer.core.quant_layout import ModuleQuant
 from deployer.errors import BuildError
 
 BUILDER = {"name": "sits-deployer", "version": __version__}

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from deployer.build.manifest import QualityInfo
 from deployer.build.source import SourceModel
 from deployer.build.spec import GateSpec, QualityReport
 from deployer.core.hashing import sha256_file
+from deployer.core.manifest import QualityInfo
 from deployer.errors import BuildError, QualityGateError
 
 # Windows are scored independently; 512 keeps logits memory small (window x vocab x 4 bytes).

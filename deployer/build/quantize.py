@@ -1,11 +1,9 @@
 """Weight-only quantization, one tensor at a time, in the device-neutral layout of
-docs/artifact-format.md.
+docs/artifact-format.md (described, and read back, by `deployer.core.quant_layout`).
 
-* int8: symmetric, one fp16 scale per output channel; ``w = q * scale``.
-* int4: asymmetric, per group of `g` input columns, fp16 scale and uint8 zero point (0..15);
-  two values per byte, low nibble = even column; ``w = (q - zero) * scale``. Columns are padded
-  with zeros up to a multiple of `g`; the range of each group always includes 0, so the padding
-  is exact and a zero weight stays zero.
+* int8: symmetric, one fp16 scale per output channel.
+* int4: asymmetric, per group of `g` input columns; the range of each group always includes 0,
+  so the zero padding of the columns is exact and a zero weight stays zero.
 
 `plan_tensor` decides what a source tensor becomes (pure, from its name and shape only), so the
 artifact header can be written before any tensor is quantized.
@@ -16,24 +14,18 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from deployer.build.spec import FLOAT_SCHEMES, QuantSpec
+from deployer.build.spec import QuantSpec
+from deployer.core.manifest import FLOAT_SCHEMES
+from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant
 from deployer.errors import BuildError
 
 FLOAT_DTYPES: dict[str, tuple[str, torch.dtype]] = {
     "fp32": ("F32", torch.float32),
     "fp16": ("F16", torch.float16),
     "bf16": ("BF16", torch.bfloat16),
-}
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
 }
 # The head and embeddings stay in a float dtype: this one unless an override names another.
 DEFAULT_HEAD_SCHEME = "fp16"
@@ -50,27 +42,6 @@ class StoredTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ModuleQuant:
-    """How one 2-D weight was stored: the manifest's `quantization.modules` entry."""
-
-    scheme: str
-    group_size: int | None
-    in_features: int
-    in_padded: int
-    out_features: int
-
-    def to_json(self) -> dict[str, Any]:
-        """Manifest form."""
-        return {
-            "scheme": self.scheme,
-            "group_size": self.group_size,
-            "in": self.in_features,
-            "in_padded": self.in_padded,
-            "out": self.out_features,
-        }
 
 
 @dataclass(frozen=True)
@@ -200,35 +171,6 @@ def _int4_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     s = scale.float()
     q = (torch.round(groups / s[..., None]) + zero[..., None]).clamp_(0, 15)
     return q.to(torch.uint8), scale, zero.to(torch.uint8)
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 + per-row scale -> fp32."""
-    return q.float() * scale.float()[:, None]
-
-
-def dequantize_int4(
-    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int
-) -> torch.Tensor:
-    """Packed int4 + group scales and zeros -> fp32 [out, in_features] (padding dropped)."""
-    out_features = packed.shape[0]
-    q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(out_features, -1)
-    group_size = q.shape[1] // scale.shape[1]
-    zeros = zero.float().repeat_interleave(group_size, dim=1)
-    scales = scale.float().repeat_interleave(group_size, dim=1)
-    return ((q.float() - zeros) * scales)[:, :in_features]
-
-
-def dequantize(name: str, quant: ModuleQuant | None, stored: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The fp32 weight `name` that the stored tensors represent under `quant`."""
-    scheme = quant.scheme if quant else "fp32"
-    if scheme == "int8":
-        return dequantize_int8(stored[name], stored[f"{name}_scale"])
-    if scheme == "int4":
-        return dequantize_int4(
-            stored[name], stored[f"{name}_scale"], stored[f"{name}_zero"], quant.in_features
-        )
-    return stored[name].float()
 
 
 def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deployer.core.manifest import FLOAT_SCHEMES, INTEGER_SCHEMES
 from deployer.errors import BuildError
 
-FLOAT_SCHEMES = ("fp32", "fp16", "bf16")
-INTEGER_SCHEMES = ("int8", "int4")
 SCHEMES = FLOAT_SCHEMES + INTEGER_SCHEMES
 PRESETS = ("layered",)
 FORMATS = ("safetensors", "gguf")  # gguf: one GGUF file for the llama.cpp engine

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from deployer.build.manifest import MANIFEST_NAME, read_manifest
 from deployer.core.canonical import canonical_json
 from deployer.core.hashing import sha256_bytes, sha256_file
+from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.errors import BuildError, FormatError
 
 STORE_DIRNAME = Path(".sits") / "store"

@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployer.build.manifest import MANIFEST_NAME, read_manifest
 from deployer.core.canonical import canonical_json
 from deployer.core.hashing import sha256_file
+from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.errors import FormatError
 
 FORMAT_VERSION = 1

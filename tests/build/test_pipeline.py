@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 
 from deployer.build.artifact import load_state_dict, read_manifest
-from deployer.build.manifest import MANIFEST_NAME
 from deployer.build.pipeline import build_artifact
 from deployer.core.hashing import sha256_bytes, sha256_file
+from deployer.core.manifest import MANIFEST_NAME
 from deployer.core.safetensors_io import read_header
 from deployer.errors import BuildError, QualityGateError, SourceModelError
 from tests.build.conftest import make_request, small_gate, store_is_empty

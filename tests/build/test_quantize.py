@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deployer.build.quantize import (
-    dequantize_int4,
-    dequantize_int8,
-    module_scheme,
-    plan_tensor,
-    quantize_int4,
-    quantize_int8,
-)
+from deployer.build.quantize import module_scheme, plan_tensor, quantize_int4, quantize_int8
 from deployer.build.spec import GROUP_SIZES, Override, QuantSpec
+from deployer.core.quant_layout import dequantize_int4, dequantize_int8
 from deployer.errors import BuildError
 
 

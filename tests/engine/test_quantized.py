@@ -13,7 +13,8 @@ from deployer.agent.engines.qlinear import (
     LinearWeights,
     build_linear,
 )
-from deployer.build.quantize import ModuleQuant, quantize_int4, quantize_int8
+from deployer.build.quantize import quantize_int4, quantize_int8
+from deployer.core.quant_layout import ModuleQuant
 from deployer.errors import FormatError
 
 PROMPT = "The capital of France is Paris. Hello, how are you today?"
@@ -108,7 +109,7 @@ def test_int4_padding_is_exact():
         "x", LinearWeights(packed, scale=scale, zero=zero), layout, torch.device("cpu"), torch.float32
     )
     assert kernel == KERNEL_INT4_CPU
-    from deployer.build.quantize import dequantize_int4
+    from deployer.core.quant_layout import dequantize_int4
 
     x = torch.randn(5, 40)
     want = x @ dequantize_int4(packed, scale, zero, 40).t()

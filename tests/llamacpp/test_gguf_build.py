@@ -13,11 +13,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from deployer.build.gguf_writer import GGUF_NAME, load_gguf_state, plan_gguf, write_gguf
-from deployer.build.manifest import read_manifest
 from deployer.build.pipeline import build_artifact
 from deployer.build.source import open_source
 from deployer.build.spec import BuildRequest, QuantSpec
 from deployer.core.gguf_io import read_gguf_header
+from deployer.core.manifest import read_manifest
 from deployer.core.patch_apply import apply_patch
 from deployer.core.patch_format import Codec, read_header
 from deployer.delta import create_patch

@@ -142,7 +142,9 @@ def test_patch_apply_failure_leaves_staging_empty(fleet, keys, tmp_path):
 
 
 def test_keygen_without_passphrase_or_flag_fails(tmp_path):
-    result = CliRunner().invoke(cli, ["keygen", "-o", str(tmp_path / "k")], env={"SITS_SIGNING_PASSPHRASE": None})
+    result = CliRunner().invoke(
+        cli, ["keygen", "-o", str(tmp_path / "k")], env={"SITS_SIGNING_PASSPHRASE": None}
+    )
     assert result.exit_code == 1
     assert "no passphrase" in result.stderr
     assert not (tmp_path / "k.key").exists()

@@ -33,8 +33,8 @@ from deployer.agent.engines.base import (
     check_params,
 )
 from deployer.agent.engines.textstream import IncrementalDecoder, StopMatcher
-from deployer.build.manifest import MANIFEST_NAME, read_manifest
 from deployer.core.gguf_io import GGUF_FILE, GGUFHeader, read_gguf_header
+from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.errors import AgentError, FormatError
 
 __all__ = ["LlamaCppEngine", "require_llama_cpp"]

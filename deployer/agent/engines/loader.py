@@ -20,8 +20,8 @@ from torch import nn
 
 from deployer.agent.engines.llama import ModelArgs, Transformer, args_from_config
 from deployer.agent.engines.qlinear import KERNEL_LINEAR, LinearWeights, build_linear
-from deployer.build.manifest import MANIFEST_NAME, read_manifest
-from deployer.build.quantize import TORCH_DTYPES, ModuleQuant
+from deployer.core.manifest import MANIFEST_NAME, read_manifest
+from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant
 from deployer.core.safetensors_io import TensorEntry, read_header
 from deployer.errors import AgentError, FormatError
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deployer.build.quantize import ModuleQuant, dequantize_int4, dequantize_int8
-from deployer.build.spec import INTEGER_SCHEMES
+from deployer.core.manifest import INTEGER_SCHEMES
+from deployer.core.quant_layout import ModuleQuant, dequantize_int4, dequantize_int8
 from deployer.errors import FormatError
 
 KERNEL_LINEAR = "linear"

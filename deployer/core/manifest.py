@@ -1,6 +1,7 @@
 """The `sits-manifest.json` of an artifact (docs/artifact-format.md) as pydantic models.
 
-Imports only pydantic and the standard library, so the device agent can read manifests with it.
+Imports only pydantic and the standard library (no torch, no build code), so the device agent
+can read manifests with it and the build spec can share its scheme names cheaply.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ FORMAT_VERSION = 1
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 # The manifest describes every file; it is small, so anything larger is refused unread.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+# The storage schemes a module entry may name (`ModuleInfo.scheme`).
+FLOAT_SCHEMES = ("fp32", "fp16", "bf16")
+INTEGER_SCHEMES = ("int8", "int4")
 
 
 class _Strict(BaseModel):

@@ -1,0 +1,77 @@
+"""How quantized weights are stored in an artifact (docs/artifact-format.md), and how to read
+them back to fp32: what the builder writes and the device agent reads.
+
+* int8: symmetric, one fp16 scale per output channel; ``w = q * scale``.
+* int4: asymmetric, per group of `g` input columns, fp16 scale and uint8 zero point (0..15);
+  two values per byte, low nibble = even column; ``w = (q - zero) * scale``. Columns are padded
+  with zeros up to a multiple of `g`, and the padding is dropped when dequantizing.
+
+Imports only torch and the standard library (no build code), so the device agent can use it.
+The scheme names themselves live in `deployer.core.manifest`, which needs no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Safetensors dtype names of stored tensors -> torch dtypes.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
+
+
+@dataclass(frozen=True)
+class ModuleQuant:
+    """How one 2-D weight was stored: the manifest's `quantization.modules` entry."""
+
+    scheme: str
+    group_size: int | None
+    in_features: int
+    in_padded: int
+    out_features: int
+
+    def to_json(self) -> dict[str, Any]:
+        """Manifest form."""
+        return {
+            "scheme": self.scheme,
+            "group_size": self.group_size,
+            "in": self.in_features,
+            "in_padded": self.in_padded,
+            "out": self.out_features,
+        }
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 + per-row scale -> fp32."""
+    return q.float() * scale.float()[:, None]
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int
+) -> torch.Tensor:
+    """Packed int4 + group scales and zeros -> fp32 [out, in_features] (padding dropped)."""
+    out_features = packed.shape[0]
+    q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(out_features, -1)
+    group_size = q.shape[1] // scale.shape[1]
+    zeros = zero.float().repeat_interleave(group_size, dim=1)
+    scales = scale.float().repeat_interleave(group_size, dim=1)
+    return ((q.float() - zeros) * scales)[:, :in_features]
+
+
+def dequantize(name: str, quant: ModuleQuant | None, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The fp32 weight `name` that the stored tensors represent under `quant`."""
+    scheme = quant.scheme if quant else "fp32"
+    if scheme == "int8":
+        return dequantize_int8(stored[name], stored[f"{name}_scale"])
+    if scheme == "int4":
+        return dequantize_int4(
+            stored[name], stored[f"{name}_scale"], stored[f"{name}_zero"], quant.in_features
+        )
+    return stored[name].float()
