@@ -78,9 +78,12 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
 def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[str, bytes]:
     """Device path -> content of every file the controller manages on this device."""
     files = {AGENT_CONFIG: agent_settings(config, site).encode()}
-    for key in config.signing.trusted_keys if config.signing else []:
-        path = config.resolve(key)
-        files[f"{KEYS_DIR}/{path.stem}.pub"] = path.read_bytes()
+    if config.signing:
+        for key in config.signing.trusted_keys:
+            path = config.resolve(key)
+            files[f"{KEYS_DIR}/{path.stem}.pub"] = path.read_bytes()
+        # The agent reads its k-of-n signature threshold from here (absent means 1).
+        files[f"{KEYS_DIR}/threshold"] = f"{config.signing.threshold}\n".encode()
     if systemd:
         from deployer.units import UnitParams, render_units
 

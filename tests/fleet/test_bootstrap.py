@@ -48,3 +48,23 @@ def test_fresh_device_gets_the_agent_from_our_wheel(tmp_path, tiny_model_dir):
         assert str(tmp_path / "device-venv") in installed  # the wheel's copy, not the source tree
     finally:
         project.stop_agents()
+
+
+def test_managed_files_carry_the_signature_threshold(tmp_path, tiny_model_dir):
+    from deployer.bootstrap import desired_files
+    from deployer.facts import KEYS_DIR
+    from deployer.sign import generate_key
+
+    base = tmp_path / "project"
+    project = make_project(base, {"1.0.0": tiny_model_dir}, local_devices(base, ("d",), sys.executable))
+    generate_key(base / "keys/second.key", base / "keys/second.pub", passphrase=None, unencrypted=True)
+    signing = {
+        "private_key": "keys/release.key",
+        "trusted_keys": ["keys/release.pub", "keys/second.pub"],
+        "threshold": 2,
+    }
+    project.write("1.0.0", signing=signing)
+    config = load_config(project.config_path)
+    files = desired_files(config, DeviceSite.of(config, config.fleet.devices[0]), systemd=False)
+    assert files[f"{KEYS_DIR}/threshold"] == b"2\n"
+    assert files[f"{KEYS_DIR}/second.pub"] == (base / "keys/second.pub").read_bytes()
