@@ -51,6 +51,7 @@ SMALL_LEVEL = 19
 _ITEM_CODECS = (Codec.PLANES_ZSTD, Codec.XOR_PLANES_ZSTD, Codec.SPARSE_ZSTD)
 FULL_TRIAL_BYTES = 8 * 1024 * 1024
 BSDIFF_TENSOR_BYTES = 64 * 1024
+BSDIFF_SPARSE_BYTES = 1024 * 1024
 BSDIFF_FILE_BYTES = 16 * 1024 * 1024
 SAMPLE_WINDOWS = 8
 SAMPLE_WINDOW_BYTES = 256 * 1024
@@ -250,12 +251,17 @@ def _candidates(job: _Job) -> list[Codec]:
     codecs = [Codec.RAW_ZSTD]
     if old is None:
         return codecs
-    limit = BSDIFF_TENSOR_BYTES if job.tensor else BSDIFF_FILE_BYTES
-    if max(len(old), len(new)) <= min(limit, MAX_BSDIFF_BYTES):
+    size = max(len(old), len(new))
+    sparse = len(old) == len(new) and _changed_fraction(
+        _sample(job) if len(new) > FULL_TRIAL_BYTES else job
+    ) <= (SPARSE_MAX_FRACTION)
+    # bsdiff4's bzip2 stage beats zstd on sparse differences (quantized weights that barely moved).
+    limit = (BSDIFF_SPARSE_BYTES if sparse else BSDIFF_TENSOR_BYTES) if job.tensor else BSDIFF_FILE_BYTES
+    if size <= min(limit, MAX_BSDIFF_BYTES):
         codecs.append(Codec.BSDIFF)
     if len(old) == len(new) and job.tensor:
         codecs += [Codec.XOR_ZSTD, Codec.PLANES_ZSTD, Codec.XOR_PLANES_ZSTD]
-        if _changed_fraction(_sample(job) if len(new) > FULL_TRIAL_BYTES else job) <= (SPARSE_MAX_FRACTION):
+        if sparse:
             codecs.append(Codec.SPARSE_ZSTD)
     return codecs
 

@@ -167,7 +167,12 @@ def check_signatures(envelope: Envelope, trusted: TrustedKeys) -> tuple[str, ...
 
 def _signature_ok(key: ec.EllipticCurvePublicKey, sig: str, data: bytes) -> bool:
     try:
-        key.verify(base64.b64decode(sig, validate=True), data, ec.ECDSA(hashes.SHA256()))
+        der = base64.b64decode(sig, validate=True)
+        # Only the canonical base64 form counts: unused padding bits must not make a second
+        # spelling of the same signature that still verifies.
+        if base64.b64encode(der).decode("ascii") != sig:
+            return False
+        key.verify(der, data, ec.ECDSA(hashes.SHA256()))
     except (InvalidSignature, binascii.Error, ValueError):
         return False
     return True
