@@ -245,3 +245,19 @@ def test_release_naming_other_files_than_its_patch_makes(fleet, tmp_path):
             envelope, fleet.patch, fleet.v1, staging, fleet.trusted(), now=NOW, installed=state
         )
     assert list(staging.iterdir()) == []
+
+
+def test_non_canonical_base64_spelling_of_a_valid_signature(fleet):
+    # ECDSA signatures are random: sign until one has base64 padding (its DER length % 3 != 0).
+    envelope = next(e for e in (fleet.release() for _ in range(100)) if e.signatures[0].sig.endswith("="))
+    sig = envelope.signatures[0].sig
+    der = base64.b64decode(sig)
+    padded = sig.rstrip("=")
+    # Flip the unused low bits of the last base64 digit: same bytes, different spelling.
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    last = alphabet.index(padded[-1]) ^ 1
+    spelled = padded[:-1] + alphabet[last] + sig[len(padded) :]
+    assert base64.b64decode(spelled) == der and spelled != sig
+    forged = [SignatureEntry(keyid=envelope.signatures[0].keyid, sig=spelled)]
+    with pytest.raises(SignatureError, match="does not verify"):
+        _verify(fleet, Envelope(signed=envelope.signed, signatures=forged))
