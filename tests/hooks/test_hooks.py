@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,22 @@ def script(directory: Path, body: str, name: str = "hook.sh", mode: int = 0o755)
     return path
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting for its parent to reap it counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+def alive(pid: int, *, grace_s: float = 5.0) -> bool:
+    """Still running after `grace_s` (a zombie waiting to be reaped counts as gone).
+
+    A killed process needs to be scheduled once to die, which on a loaded machine takes a moment.
+    """
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
 
 
 def test_environment_is_documented_and_complete(tmp_path):
