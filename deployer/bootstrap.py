@@ -12,6 +12,10 @@
 
 Device paths: the agent's log is /var/log/sits-agent.log and its pid file /run/sits-agent.pid when
 it runs without systemd.
+
+Under systemd the units run the agent as the static user `sits` (docs/units.md): `prepare_service_user`
+creates it and hands it the store, and `store_command` runs the controller's own agent commands that
+write the store (install, rollback) as that user, so that every file there stays the agent's.
 """
 
 from __future__ import annotations
@@ -44,15 +48,19 @@ __all__ = [
     "install_agent",
     "install_args",
     "log_command",
+    "prepare_service_user",
     "send_release",
     "start_agent",
     "stop_agent",
+    "store_command",
     "write_files",
 ]
 
 INCOMING = "/var/lib/sits/incoming"  # uploads; not staging/, which the agent empties on each start
 LOG_FILE = "/var/log/sits-agent.log"
 PID_FILE = "/run/sits-agent.pid"
+SERVICE_USER = "sits"  # User= of the units (deployer.units.UnitParams.user)
+STORE_DIR = "/var/lib/sits"
 _START_POLL_S = 0.5
 
 
@@ -151,6 +159,33 @@ def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
     )
     transport.run([*pip, wheel_path], timeout=900).check(
         f"{site.name}: installing the dependencies of {wheel.name}"
+    )
+
+
+def prepare_service_user(site: DeviceSite, transport: Transport) -> None:
+    """systemd devices: create the units' system user when missing and give it the store."""
+    user, store = SERVICE_USER, shlex.quote(site.path(STORE_DIR))
+    transport.run(
+        f"id -u {user} >/dev/null 2>&1 || useradd --system --home-dir {STORE_DIR} "
+        f"--shell /usr/sbin/nologin {user}; mkdir -p {store} && chown -R {user}:{user} {store}",
+        timeout=120,
+    ).check(f"{site.name}: creating the service user {user}")
+
+
+def store_command(site: DeviceSite, argv: list[str]) -> str:
+    """A shell command running agent `argv` as the service user where the units are installed.
+
+    There the uploads (made as the SSH user) are handed to that user first; elsewhere (the local demo
+    fleet, devices without systemd) `argv` runs as it is.
+    """
+    command = shlex.join(argv)
+    if site.root != "/":
+        return command
+    user, store = SERVICE_USER, shlex.quote(STORE_DIR)
+    unit = shlex.quote(f"{UNIT_DIR}/sits-agent.service")
+    return (
+        f"if [ -f {unit} ] && id -u {user} >/dev/null 2>&1 && [ $(id -u) = 0 ]; then "
+        f"chown -R {user}:{user} {store} && exec runuser -u {user} -- {command}; else exec {command}; fi"
     )
 
 

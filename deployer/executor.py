@@ -24,8 +24,10 @@ from deployer.bootstrap import (
     ensure_serving,
     install_agent,
     install_args,
+    prepare_service_user,
     send_release,
     start_agent,
+    store_command,
     write_files,
 )
 from deployer.config.models import Config
@@ -277,6 +279,8 @@ class Executor:
             install_agent(site, transport, self.wheel())
         elif kind is StepKind.WRITE_UNITS:
             changed = write_files(site, transport, desired_files(self.config, site, systemd=facts.systemd))
+            if facts.systemd:
+                prepare_service_user(site, transport)
             if facts.systemd and any(p.endswith(".service") for p in changed):
                 transport.run("systemctl daemon-reload", timeout=60).check(f"{site.name}: daemon-reload")
             if changed and facts.model_version and agent_running(site, transport):
@@ -285,7 +289,9 @@ class Executor:
             return send_release(site, transport, _need(release, site))
         elif kind is StepKind.INSTALL:
             argv = site.agent("install", *install_args(site, _need(release, site)))
-            transport.run(argv, timeout=900).check(f"{site.name}: sits-agent install {dp.to_version}")
+            transport.run(store_command(site, argv), timeout=900).check(
+                f"{site.name}: sits-agent install {dp.to_version}"
+            )
         elif kind is StepKind.RELOAD:
             ensure_serving(site, transport, dp.to_version, systemd=facts.systemd, timeout_s=timeout)
         elif kind is StepKind.HEALTH_GATE:
@@ -324,7 +330,8 @@ class Executor:
         try:
             if action != "rollback":
                 self._hook("pre-rollback", dp)
-            transport.run(site.agent("rollback", "--to", dp.from_version), timeout=900).check(
+            argv = site.agent("rollback", "--to", dp.from_version)
+            transport.run(store_command(site, argv), timeout=900).check(
                 f"{site.name}: sits-agent rollback --to {dp.from_version}"
             )
             if action != "rollback":

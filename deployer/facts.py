@@ -131,7 +131,8 @@ for p in files:
 keys = under("/etc/sits/keys")
 if os.path.isdir(keys):
     for n in sorted(os.listdir(keys)):
-        if n.endswith(".pub"): out["hashes"]["/etc/sits/keys/" + n] = sha(os.path.join(keys, n))
+        if n.endswith(".pub") or n == "threshold":
+            out["hashes"]["/etc/sits/keys/" + n] = sha(os.path.join(keys, n))
 d = under("/var/lib/sits") if os.path.isdir(under("/var/lib/sits")) else root
 out["free_disk"] = shutil.disk_usage(d).free
 try:

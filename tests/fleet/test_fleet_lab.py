@@ -1,13 +1,18 @@
 """The fleet commands over real SSH against booted systemd devices of the lab (marked `lab`).
 
-The lab's devices have Debian's python3 but no torch, so no agent can serve there: these tests cover
-what the controller does before a model runs: facts over SSH (systemd detected, no agent), a plan
-that bootstraps and writes the systemd units, units that systemd accepts, and `logs` via journalctl.
+The lab's rootfs carries the agent's runtime (torch and the rest) in /opt/sits/venv, so bootstrap
+installs only our wheel there and the agent really serves. First, what the controller does before a
+model runs: facts over SSH (systemd detected, no agent), a plan that bootstraps and writes the
+systemd units, units that systemd accepts, and `logs` via journalctl. Then a rollout through the real
+CLI (the tests build on each other, in file order): v1 from scratch, started by systemd as a
+Type=notify service; v2 as a patch under canary; `rollback --to 1.0.0`; and a crash-looping agent
+that systemd's OnFailure= unit returns to the previous version.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -71,3 +76,111 @@ def test_units_written_over_ssh_are_accepted_by_systemd(ssh_project):
 def test_logs_over_ssh_reads_the_journal(ssh_project):
     result = ssh_project.cli("logs", "dev2", "-f", str(ssh_project.config_path), "--since", "1 hour ago")
     assert result.exit_code == 0, result.output
+
+
+# -- a real rollout onto the lab: the rootfs carries the agent's runtime in /opt/sits/venv ----------
+
+CANARY = {"type": "canary", "steps": [1, "100%"], "analysis_window": "1s", "offline": "skip"}
+NAMES = ("dev1", "dev2", "dev3")
+
+
+@pytest.fixture(scope="module")
+def lab_project(lab: Lab, tmp_path_factory, tiny_model_dir, tiny_model_dir_b):
+    """One project for the rollout tests below (they build on each other, in file order)."""
+    devices = [
+        {
+            "name": name,
+            "host": lab.device(i).address,
+            "identity_file": str(lab.client_key),
+            "known_hosts": str(lab.known_hosts),
+            "labels": {"ring": "canary" if i == 1 else "main"},
+        }
+        for i, name in enumerate(NAMES, start=1)
+    ]
+    models = {"1.0.0": tiny_model_dir, "2.0.0": tiny_model_dir_b}
+    return make_project(tmp_path_factory.mktemp("lab-rollout"), models, devices)
+
+
+def _status(project) -> dict[str, dict]:
+    result = project.run("status", "--output", "json")
+    assert result.exit_code == 0, result.output
+    return {row["device"]: row for row in json.loads(result.stdout)}
+
+
+def _versions(project) -> dict[str, str | None]:
+    return {name: row["version"] for name, row in _status(project).items()}
+
+
+def _unit_state(lab: Lab, index: int) -> str:
+    return lab.nsenter(index, ["systemctl", "show", "-p", "ActiveState,Type,MainPID", "sits-agent"])
+
+
+def test_apply_v1_over_ssh_runs_the_agent_under_systemd(hub: Lab, lab_project):
+    result = lab_project.run("apply", "--output", "json")
+    assert result.exit_code == 0, result.output
+    assert {r["status"] for r in json.loads(result.stdout)["results"]} == {"updated"}
+    for i in (1, 2, 3):
+        state = _unit_state(hub, i)
+        assert "ActiveState=active" in state and "Type=notify" in state, state
+        ready = hub.nsenter(i, ["python3", "-c", READYZ])
+        assert ready.strip() == "200", ready
+    rows = _status(lab_project)
+    assert {n: (r["version"], r["health"]) for n, r in rows.items()} == dict.fromkeys(
+        NAMES, ("1.0.0", "ready")
+    )
+    again = lab_project.run("plan", "--output", "json", "--detailed-exitcode")
+    assert again.exit_code == 0, again.output  # converged: nothing left to do
+    owner = hub.nsenter(1, ["stat", "-c", "%U", "/var/lib/sits/state.json"])
+    assert owner.strip() == "sits"  # the store stays the service user's
+
+
+def test_v2_patch_under_canary_then_fleet_rollback(hub: Lab, lab_project):
+    lab_project.write("2.0.0", strategy=CANARY)
+    plan = json.loads(lab_project.run("plan", "--output", "json").stdout)
+    assert all(d["steps"][0]["kind"] == "send-patch" for d in plan["devices"]), plan
+    result = lab_project.run("apply", "--output", "json")
+    assert result.exit_code == 0, result.output
+    assert {r["status"] for r in json.loads(result.stdout)["results"]} == {"updated"}
+    assert _versions(lab_project) == dict.fromkeys(NAMES, "2.0.0")
+    back = lab_project.run("rollback", "--to", "1.0.0", "--output", "json")
+    assert back.exit_code == 0, back.output
+    rows = _status(lab_project)
+    assert {n: (r["version"], r["health"]) for n, r in rows.items()} == dict.fromkeys(
+        NAMES, ("1.0.0", "ready")
+    )
+
+
+def test_crash_looping_agent_is_rolled_back_by_systemd(hub: Lab, lab_project):
+    """Corrupt the active weights on dev2: restarts fail, OnFailure= runs sits-rollback.service."""
+    assert _versions(lab_project)["dev2"] == "1.0.0"  # after the fleet rollback; previous: 2.0.0
+    hub.nsenter(2, ["sh", "-c", CORRUPT])
+    hub.nsenter(2, ["systemctl", "--no-block", "restart", "sits-agent"])
+    deadline = time.monotonic() + 300
+    rows: dict = {}
+    while time.monotonic() < deadline:
+        time.sleep(5)
+        rows = _status(lab_project)
+        if rows["dev2"]["version"] == "2.0.0" and rows["dev2"]["health"] == "ready":
+            break
+    assert (rows["dev2"]["version"], rows["dev2"]["health"]) == ("2.0.0", "ready"), rows
+    ran = hub.nsenter(
+        2, ["systemctl", "show", "-p", "ExecMainStartTimestampMonotonic,ExecMainStatus", "sits-rollback"]
+    )
+    started = dict(line.split("=", 1) for line in ran.split())
+    assert int(started["ExecMainStartTimestampMonotonic"]) > 0 and started["ExecMainStatus"] == "0", ran
+    journal = hub.nsenter(2, ["journalctl", "-u", "sits-agent", "--no-pager", "-o", "cat"])
+    assert "OnFailure" in journal or "repeated too quickly" in journal, journal[-2000:]
+    assert "ActiveState=active" in _unit_state(hub, 2)
+    assert {rows[n]["version"] for n in ("dev1", "dev3")} == {"1.0.0"}  # the others untouched
+
+
+CORRUPT = (
+    "for f in $(find -L /var/lib/sits/current -type f -name '*.safetensors'); do "
+    'chmod u+w "$f"; truncate -s 64 "$f"; done'
+)
+READYZ = (
+    "import urllib.request, urllib.error\n"
+    "try: print(urllib.request.urlopen('http://127.0.0.1:8080/readyz', timeout=5).status)\n"
+    "except urllib.error.HTTPError as e: print(e.code)\n"
+    "except OSError as e: print(e)\n"
+)
