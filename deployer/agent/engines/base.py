@@ -49,6 +49,23 @@ def check_params(params: SamplingParams) -> None:
         raise AgentError(f"top_p must be in (0, 1], got {params.top_p}")
 
 
+def token_budget(prompt: Sequence[int], params: SamplingParams, context_length: int) -> int:
+    """How many tokens may be generated after `prompt`: max_tokens, capped by the room left.
+
+    Raises AgentError for bad parameters, an empty prompt, or a prompt that fills the context.
+    """
+    check_params(params)
+    if not prompt:
+        raise AgentError("the prompt is empty")
+    room = context_length - len(prompt)
+    if room < 1:
+        raise AgentError(
+            f"the prompt has {len(prompt)} tokens; the context holds {context_length}",
+            hint="shorten the prompt",
+        )
+    return min(params.max_tokens, room)
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One step of generation: the new text (may be empty mid-character) and, at the end, why."""

@@ -30,7 +30,7 @@ from deployer.agent.engines.base import (
     EngineInfo,
     SamplingParams,
     TokenEvent,
-    check_params,
+    token_budget,
 )
 from deployer.agent.engines.textstream import IncrementalDecoder, StopMatcher
 from deployer.core.gguf_io import GGUF_FILE, GGUFHeader, read_gguf_header
@@ -180,16 +180,7 @@ class LlamaCppEngine(Engine):
         """Generate from `prompt`; see Engine.stream. Raises AgentError for a prompt that does not
         fit the context, bad sampling parameters, or a call while another generation runs."""
         loaded = self._require()
-        check_params(params)
-        if not prompt:
-            raise AgentError("the prompt is empty")
-        room = loaded.llm.n_ctx() - len(prompt)
-        if room < 1:
-            raise AgentError(
-                f"the prompt has {len(prompt)} tokens; the context holds {loaded.llm.n_ctx()}",
-                hint="shorten the prompt",
-            )
-        return self._generate(loaded, prompt, params, min(params.max_tokens, room))
+        return self._generate(loaded, prompt, params, token_budget(prompt, params, loaded.llm.n_ctx()))
 
     def _generate(
         self, loaded: _Loaded, prompt: list[int], params: SamplingParams, budget: int

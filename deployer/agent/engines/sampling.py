@@ -12,9 +12,9 @@ import torch
 
 # Re-exported: the parameter checks live beside SamplingParams, free of torch (the llama.cpp engine
 # uses them without importing torch).
-from deployer.agent.engines.base import GREEDY_BELOW, SamplingParams, check_params
+from deployer.agent.engines.base import GREEDY_BELOW, SamplingParams
 
-__all__ = ["GREEDY_BELOW", "check_params", "new_generator", "pick_token"]
+__all__ = ["new_generator", "pick_token"]
 
 
 def new_generator(seed: int | None) -> torch.Generator:

@@ -22,11 +22,12 @@ from deployer.agent.engines.base import (
     EngineInfo,
     SamplingParams,
     TokenEvent,
+    token_budget,
 )
 from deployer.agent.engines.llama import as_token_ids
 from deployer.agent.engines.loader import LoadedModel, load_model, read_json
 from deployer.agent.engines.qlinear import KERNEL_LINEAR
-from deployer.agent.engines.sampling import check_params, new_generator, pick_token
+from deployer.agent.engines.sampling import new_generator, pick_token
 from deployer.agent.engines.textstream import IncrementalDecoder, StopMatcher, final_text
 from deployer.errors import AgentError
 
@@ -119,16 +120,7 @@ class TorchEngine(Engine):
         """Generate from `prompt`; see Engine.stream. Raises AgentError for a prompt that does not
         fit the context, bad sampling parameters, or a call while another generation runs."""
         loaded = self._require()
-        check_params(params)
-        if not prompt:
-            raise AgentError("the prompt is empty")
-        room = loaded.model.max_len - len(prompt)
-        if room < 1:
-            raise AgentError(
-                f"the prompt has {len(prompt)} tokens; the context holds {loaded.model.max_len}",
-                hint="shorten the prompt",
-            )
-        return self._generate(loaded, prompt, params, min(params.max_tokens, room))
+        return self._generate(loaded, prompt, params, token_budget(prompt, params, loaded.model.max_len))
 
     def _generate(
         self, loaded: LoadedModel, prompt: list[int], params: SamplingParams, budget: int
