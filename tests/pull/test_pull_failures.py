@@ -9,9 +9,9 @@ import pytest
 
 from deployer.agent.pull_fetch import ByteBudgetExceeded
 from deployer.errors import TransportError
-from tests.pull.cutproxy import DownstreamCutProxy
 from tests.pull.nginx import Nginx
 from tests.pull.project import Project, make_device
+from tests.transport.proxy import CuttingProxy
 
 
 def _metadata_bytes(channel: Path) -> int:
@@ -22,7 +22,9 @@ def test_dropped_connection_resumes_where_it_stopped(tmp_path: Path, project: Pr
     project.publish(nginx.root, "1.0.0")
     channel = nginx.root / "stable"
     # Past the metadata (with headers), into the middle of the artifact's downloads.
-    proxy = DownstreamCutProxy(("127.0.0.1", nginx.port), cut_after=_metadata_bytes(channel) + 80_000)
+    proxy = CuttingProxy(
+        ("127.0.0.1", nginx.port), cut_after=_metadata_bytes(channel) + 80_000, direction="down"
+    )
     try:
         device = make_device(tmp_path / "d1", project, f"http://127.0.0.1:{proxy.port}/stable/")
         outcome = device.poll()

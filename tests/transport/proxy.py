@@ -1,7 +1,9 @@
-"""A loopback TCP proxy that counts the bytes each connection sends upstream and can cut the first one.
+"""A loopback TCP proxy that counts the bytes each connection carries and can cut the link once.
 
-It stands between the SSH client and a device to drop a real connection mid-upload (both sockets are
-closed, as when a link dies) and to measure what the client really sent on the wire.
+It stands between a client and a server (an SSH client and a device, a device and nginx) to drop a
+real connection mid-transfer (both sockets are closed, as when a link dies) and to measure what
+really crossed the wire. `direction` says which way is counted and cut: "up" (client to server, an
+upload) or "down" (server to client, a download).
 """
 
 from __future__ import annotations
@@ -9,16 +11,28 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from typing import Literal
 
 
 class CuttingProxy:
-    """Listen on 127.0.0.1; forward to `target`; cut connection #1 after `cut_after` upstream bytes."""
+    """Listen on 127.0.0.1 and forward to `target`. Once the bytes sent in `direction`, over all
+    connections, pass `cut_after`, the connection carrying that byte is cut (the bytes up to the
+    limit still arrive); later connections are left alone."""
 
-    def __init__(self, target: tuple[str, int], *, cut_after: int | None = None, timeout: float = 30) -> None:
+    def __init__(
+        self,
+        target: tuple[str, int],
+        *,
+        cut_after: int | None = None,
+        direction: Literal["up", "down"] = "up",
+        timeout: float = 30,
+    ) -> None:
         self.target = target
         self.cut_after = cut_after
+        self.direction = direction
         self.timeout = timeout
-        self.upstream_bytes: list[int] = []  # per accepted connection, in order
+        self.counted: list[int] = []  # bytes in `direction`, per accepted connection, in order
+        self.cut = False
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self._stop = threading.Event()
@@ -30,6 +44,11 @@ class CuttingProxy:
     @property
     def port(self) -> int:
         return self._listener.getsockname()[1]
+
+    @property
+    def connections(self) -> int:
+        """Connections accepted so far."""
+        return len(self.counted)
 
     def close(self) -> None:
         """Stop accepting, close every socket, and wait for the forwarding threads."""
@@ -51,37 +70,52 @@ class CuttingProxy:
                 return
             upstream = socket.create_connection(self.target, timeout=self.timeout)
             with self._lock:
-                index = len(self.upstream_bytes)
-                self.upstream_bytes.append(0)
+                index = len(self.counted)
+                self.counted.append(0)
                 self._sockets += [client, upstream]
-            limit = self.cut_after if index == 0 else None
-            for src, dst, counted in ((client, upstream, True), (upstream, client, False)):
+            up = self.direction == "up"
+            for src, dst, counted in ((client, upstream, up), (upstream, client, not up)):
                 thread = threading.Thread(
-                    target=self._pump, args=(src, dst, index if counted else None, limit), daemon=True
+                    target=self._pump, args=(src, dst, index if counted else None), daemon=True
                 )
                 self._threads.append(thread)
                 thread.start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, index: int | None, limit: int | None) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, index: int | None) -> None:
         src.settimeout(self.timeout)
         try:
             while not self._stop.is_set():
                 data = src.recv(65536)
                 if not data:
                     break
+                cut_here = False
                 if index is not None:
-                    if limit is not None and self.upstream_bytes[index] + len(data) > limit:
-                        break  # the link dies here: this data never arrives
-                    self.upstream_bytes[index] += len(data)
+                    data, cut_here = self._count(index, data)
                 dst.sendall(data)
+                if cut_here:
+                    break  # the link dies here: nothing after the limit arrives
         except OSError:
             pass
         finally:
             _hang_up(src)
             _hang_up(dst)
 
+    def _count(self, index: int, data: bytes) -> tuple[bytes, bool]:
+        """Count `data` on connection `index`; trim it and report a cut when it passes the limit."""
+        with self._lock:
+            if self.cut_after is not None and not self.cut:
+                room = self.cut_after - sum(self.counted)
+                if room < len(data):
+                    self.cut = True
+                    data = data[: max(room, 0)]
+                    self.counted[index] += len(data)
+                    return data, True
+            self.counted[index] += len(data)
+            return data, False
+
 
 def _hang_up(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
+    with contextlib.suppress(OSError):
+        sock.close()

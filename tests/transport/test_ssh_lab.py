@@ -40,7 +40,7 @@ def test_run_quotes_an_argv_and_reuses_the_connection(hub, ssh_to, proxy_to, hos
     first = transport.run(["printf", "%s|", "a b", "$HOME", "it's"])
     second = transport.run(["true"])
     assert first.stdout == "a b|$HOME|it's|"
-    assert second.ok and len(proxy.upstream_bytes) == 1  # one TCP connection for both commands
+    assert second.ok and proxy.connections == 1  # one TCP connection for both commands
 
 
 def test_command_past_its_timeout_raises_transport_error(hub, ssh_to):
@@ -121,7 +121,7 @@ def test_dropped_upload_resumes_without_resending_completed_bytes(
 
     result = transport.put(src, f"{STAGING}/model.bin")
 
-    first, second = proxy.upstream_bytes  # the cut connection, then the one that resumed
+    first, second = proxy.counted  # the cut connection, then the one that resumed
     # Bytes in flight when the link died are lost; the bytes already on the device's disk are kept...
     assert 1024 * 1024 < result.resumed_from <= first
     # ...and the resumed connection carries only the rest (plus 256 KiB for SSH handshake and framing).
