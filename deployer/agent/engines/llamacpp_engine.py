@@ -32,7 +32,7 @@ from deployer.agent.engines.base import (
     TokenEvent,
     token_budget,
 )
-from deployer.agent.engines.textstream import IncrementalDecoder, StopMatcher
+from deployer.agent.engines.textstream import token_events
 from deployer.core.gguf_io import GGUF_FILE, GGUFHeader, read_gguf_header
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.errors import AgentError, FormatError
@@ -203,19 +203,9 @@ class LlamaCppEngine(Engine):
                 temp=0.0 if greedy else params.temperature,
                 repeat_penalty=1.0,
             )
-            decoder, stopper = IncrementalDecoder(self._decoder(loaded)), StopMatcher(params.stop)
-            for step, token in enumerate(tokens):
-                if token in loaded.end_ids:
-                    yield TokenEvent(token, _final_text(decoder, stopper), "stop")
-                    return
-                text, stopped = stopper.feed(decoder.push(token))
-                if stopped:
-                    yield TokenEvent(token, text, "stop")
-                    return
-                if step == budget - 1:
-                    yield TokenEvent(token, text + _final_text(decoder, stopper), "length")
-                    return
-                yield TokenEvent(token, text)
+            yield from token_events(
+                tokens, self._decoder(loaded), stops=params.stop, end_ids=loaded.end_ids, budget=budget
+            )
         finally:
             if tokens is not None:
                 tokens.close()
@@ -253,12 +243,6 @@ class LlamaCppEngine(Engine):
         if self._loaded is None:
             raise AgentError("no model is loaded in this engine", hint="call load() first")
         return self._loaded
-
-
-def _final_text(decoder: IncrementalDecoder, stopper: StopMatcher) -> str:
-    """The text still held back when generation ends without a stop string."""
-    text, stopped = stopper.feed(decoder.flush())
-    return text if stopped else text + stopper.flush()
 
 
 def _facts(artifact_dir: Path, header: GGUFHeader) -> tuple[str, str, str]:

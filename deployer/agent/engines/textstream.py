@@ -7,11 +7,14 @@ Engine-neutral (no torch): any engine that yields token ids one at a time can us
   concatenating every delta plus `flush()` equals decoding all ids at once.
 * `StopMatcher` holds back text that might be the start of a stop string, cuts the output
   before the first stop string to complete, and never emits any part of it.
+* `token_events` puts both to work on a stream of token ids and decides how generation ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+
+from deployer.agent.engines.base import TokenEvent
 
 REPLACEMENT = "\ufffd"
 
@@ -93,3 +96,31 @@ def final_text(decoder: IncrementalDecoder, stopper: StopMatcher) -> str:
     passed through the stop matcher, then the matcher's own held-back text."""
     text, stopped = stopper.feed(decoder.flush())
     return text if stopped else text + stopper.flush()
+
+
+def token_events(
+    tokens: Iterable[int],
+    decode: Callable[[list[int]], str],
+    *,
+    stops: Sequence[str],
+    end_ids: Collection[int],
+    budget: int,
+) -> Iterator[TokenEvent]:
+    """Turn generated token ids into events: text deltas, the last one with its finish reason.
+
+    An end-of-generation id or a completed stop string ends with "stop", the `budget`-th token
+    with "length". Stops pulling from `tokens` as soon as it ends, so no token is computed in vain.
+    """
+    decoder, stopper = IncrementalDecoder(decode), StopMatcher(stops)
+    for step, token in enumerate(tokens):
+        if token in end_ids:
+            yield TokenEvent(token, final_text(decoder, stopper), "stop")
+            return
+        text, stopped = stopper.feed(decoder.push(token))
+        if stopped:
+            yield TokenEvent(token, text, "stop")
+            return
+        if step == budget - 1:
+            yield TokenEvent(token, text + final_text(decoder, stopper), "length")
+            return
+        yield TokenEvent(token, text)

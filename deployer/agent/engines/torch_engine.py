@@ -28,7 +28,7 @@ from deployer.agent.engines.llama import as_token_ids
 from deployer.agent.engines.loader import LoadedModel, load_model, read_json
 from deployer.agent.engines.qlinear import KERNEL_LINEAR
 from deployer.agent.engines.sampling import new_generator, pick_token
-from deployer.agent.engines.textstream import IncrementalDecoder, StopMatcher, final_text
+from deployer.agent.engines.textstream import token_events
 from deployer.errors import AgentError
 
 DEFAULT_MAX_CONTEXT = 2048
@@ -130,25 +130,26 @@ class TorchEngine(Engine):
         if not self._busy.acquire(blocking=False):
             raise AgentError("the engine is already generating", hint="serialize calls to stream()")
         try:
-            generator = new_generator(params.seed)
-            decoder, stopper = IncrementalDecoder(self._codec.decode), StopMatcher(params.stop)
-            logits = self._forward(loaded, prompt, 0)
-            for step in range(budget):
-                token = pick_token(logits, params, generator)
-                if token in self._eos:
-                    yield TokenEvent(token, final_text(decoder, stopper), "stop")
-                    return
-                text, stopped = stopper.feed(decoder.push(token))
-                if stopped:
-                    yield TokenEvent(token, text, "stop")
-                    return
-                if step == budget - 1:
-                    yield TokenEvent(token, text + final_text(decoder, stopper), "length")
-                    return
-                yield TokenEvent(token, text)
-                logits = self._forward(loaded, [token], len(prompt) + step)
+            yield from token_events(
+                self._sample(loaded, prompt, params),
+                self._codec.decode,
+                stops=params.stop,
+                end_ids=self._eos,
+                budget=budget,
+            )
         finally:
             self._busy.release()
+
+    def _sample(self, loaded: LoadedModel, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+        """Token ids, one forward pass each: prefill, then decode steps on the KV cache."""
+        generator = new_generator(params.seed)
+        logits = self._forward(loaded, prompt, 0)
+        position = len(prompt)
+        while True:
+            token = pick_token(logits, params, generator)
+            yield token
+            logits = self._forward(loaded, [token], position)
+            position += 1
 
     @torch.inference_mode()
     def _forward(self, loaded: LoadedModel, tokens: list[int], start: int) -> torch.Tensor:
