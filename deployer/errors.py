@@ -20,7 +20,8 @@ boundaries, so callers only ever catch these::
     ├── KeyFileError          a key file is missing, unreadable, encrypted without passphrase, wrong type
     ├── HookError             a user hook failed, hung past its timeout, or could not start
     ├── TransportError        talking to a device failed (unreachable, auth, host key, dropped)
-    │   └── HostKeyError          unknown or changed host key: never trusted silently
+    │   └── RefusedError          it answered but refused us (auth): never retried, never "offline"
+    │       └── HostKeyError          unknown or changed host key: never trusted silently
     └── AgentError            the device agent refused or failed an operation
 
 This module imports nothing but the standard library: the device agent uses it too.
@@ -43,6 +44,7 @@ __all__ = [
     "IntegrityError",
     "KeyFileError",
     "QualityGateError",
+    "RefusedError",
     "ReplayError",
     "SignatureError",
     "SitsError",
@@ -157,7 +159,12 @@ class TransportError(SitsError):
     """Talking to a device failed: unreachable, refused, authentication, or a dropped connection."""
 
 
-class HostKeyError(TransportError):
+class RefusedError(TransportError):
+    """The device answered but the connection must not go on: its host key or our credentials.
+    Retrying cannot fix it, and such a device is never skipped as if it were offline."""
+
+
+class HostKeyError(RefusedError):
     """A device's host key is unknown or changed. It is never trusted silently."""
 
 

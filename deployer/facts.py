@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from deployer import __version__
 from deployer.config.models import Config, Device
-from deployer.errors import TransportError
+from deployer.errors import RefusedError, TransportError
 from deployer.plan import DeviceFacts
 from deployer.transport import Transport, run_bounded
 
@@ -180,6 +180,8 @@ def gather_facts(site: DeviceSite, transport: Transport) -> DeviceFacts:
         result = transport.run(f"{_interpreter(site)} {argv}", timeout=PROBE_TIMEOUT_S)
         result.check(f"{site.name}: the facts probe")
         data = json.loads(result.stdout.strip().splitlines()[-1])
+    except RefusedError as exc:
+        return DeviceFacts(name=site.name, reachable=False, error=exc.message, refused=True)
     except TransportError as exc:
         return DeviceFacts(name=site.name, reachable=False, error=exc.message)
     except (ValueError, IndexError):

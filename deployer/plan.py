@@ -43,11 +43,13 @@ class DeviceStatus(enum.StrEnum):
 
 @dataclass(frozen=True)
 class DeviceFacts:
-    """What a device reported. `reachable=False` means nothing else is known."""
+    """What a device reported. `reachable=False` means nothing else is known; `refused` that it
+    answered but refused us (a changed host key, failed authentication): blocked, never offline."""
 
     name: str
     reachable: bool
     error: str | None = None
+    refused: bool = False
     agent_version: str | None = None
     model_version: str | None = None
     model_sha256: str | None = None
@@ -151,6 +153,8 @@ def make_plan(desired: DesiredState, facts: Sequence[DeviceFacts]) -> Plan:
 def plan_device(desired: DesiredState, facts: DeviceFacts) -> DevicePlan:
     """The steps that take one device from its facts to the desired state."""
     base = {"device": facts.name, "from_version": facts.model_version, "to_version": desired.version}
+    if facts.refused:
+        return DevicePlan(**base, status=DeviceStatus.BLOCKED, reason=facts.error or "refused")
     if not facts.reachable:
         return DevicePlan(**base, status=DeviceStatus.OFFLINE, reason=facts.error or "unreachable")
     steps: list[Step] = []

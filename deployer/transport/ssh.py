@@ -21,7 +21,7 @@ from pathlib import Path
 import paramiko
 from paramiko.hostkeys import InvalidHostKey
 
-from deployer.errors import HostKeyError, KeyFileError, TransportError
+from deployer.errors import HostKeyError, KeyFileError, RefusedError, TransportError
 from deployer.transport.base import ConnectionDropped, RetryPolicy, RunResult, Transport, copy_range
 from deployer.transport.hostkeys import KnownHostsPolicy, changed_key_error
 
@@ -141,7 +141,7 @@ class SshTransport(Transport):
             ) from exc
         except paramiko.AuthenticationException as exc:
             client.close()
-            raise TransportError(
+            raise RefusedError(
                 f"{self.label}: authentication as {options.user!r} failed: {exc}",
                 hint=f"authorize the public key of {options.key_file or 'your SSH key'} for that user",
             ) from exc

@@ -65,6 +65,7 @@ CASES = {
         [K.PRE_DEPLOY_HOOK, K.RELOAD, K.POST_DEPLOY_HOOK],
     ),
     "offline": (dict(reachable=False, error="connection refused"), DeviceStatus.OFFLINE, []),
+    "host key changed": (dict(reachable=False, refused=True, error="CHANGED"), DeviceStatus.BLOCKED, []),
     "not enough disk": (dict(CURRENT, free_disk_bytes=500), DeviceStatus.BLOCKED, []),
 }
 
