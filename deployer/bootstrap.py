@@ -5,7 +5,8 @@
                       another interpreter, into that one (nothing is installed if it already has
                       this version)
     desired_files     what the controller keeps on the device, by device path: agent.yaml, the
-                      trusted keys, and the systemd units when the device runs systemd
+                      trusted keys, the systemd units when the device runs systemd, and the
+                      pull-mode files when deploy.yaml provisions it to poll (pull_provision)
     write_files       upload each file that differs (verified by sha256, renamed into place)
     start_agent       systemd: daemon-reload, enable --now / restart; otherwise (the local demo
                       fleet) `sits-agent serve` as a background process with a pid file and a log
@@ -36,7 +37,9 @@ from deployer.config.models import Config
 from deployer.desired import ReleaseFiles
 from deployer.errors import AgentError, SitsError, TransportError
 from deployer.facts import AGENT_CONFIG, KEYS_DIR, UNIT_DIR, VENV_PYTHON, DeviceSite, agent_request
+from deployer.pull_provision import pull_files
 from deployer.transport import Transport
+from deployer.units import POLL_TIMER
 
 __all__ = [
     "INCOMING",
@@ -67,6 +70,7 @@ _START_POLL_S = 0.5
 def agent_settings(config: Config, site: DeviceSite) -> str:
     """The agent.yaml text for one device (deterministic, so its hash tells whether it changed)."""
     settings = {
+        "host": str(config.agent.host),
         "port": site.port,
         "root": site.root,
         "engine": config.agent.engine,
@@ -92,6 +96,7 @@ def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[st
             files[f"{KEYS_DIR}/{path.stem}.pub"] = path.read_bytes()
         # The agent reads its k-of-n signature threshold from here (absent means 1).
         files[f"{KEYS_DIR}/threshold"] = f"{config.signing.threshold}\n".encode()
+    params = None
     if systemd:
         from deployer.units import UnitParams, render_units
 
@@ -105,7 +110,8 @@ def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[st
         )
         for name, text in render_units(params).items():
             files[f"{UNIT_DIR}/{name}"] = text.encode()
-    return files
+    device = next(d for d in config.fleet.devices if d.name == site.name)
+    return files | pull_files(config, device, params)
 
 
 def write_files(site: DeviceSite, transport: Transport, files: dict[str, bytes]) -> list[str]:
@@ -231,9 +237,12 @@ def agent_running(site: DeviceSite, transport: Transport) -> bool:
 def start_agent(site: DeviceSite, transport: Transport, *, systemd: bool, timeout_s: float) -> None:
     """(Re)start the agent and wait until it answers /readyz. Raises AgentError when it does not."""
     if systemd:
+        timer = shlex.quote(f"{UNIT_DIR}/{POLL_TIMER}")
         transport.run(
             "systemctl daemon-reload && systemctl enable sits-agent.service && "
-            "systemctl restart sits-agent.service",
+            "systemctl restart sits-agent.service && "
+            # A pull-mode device (its timer provisioned) also polls by itself from now on.
+            f"if [ -f {timer} ]; then systemctl enable --now {POLL_TIMER}; fi",
             timeout=timeout_s + 30,
         ).check(f"{site.name}: systemctl restart sits-agent")
     else:

@@ -26,6 +26,8 @@ from deployer.transport import Transport, run_bounded
 __all__ = [
     "AGENT_CONFIG",
     "DEFAULT_PYTHON",
+    "PULL_CONFIG",
+    "PULL_ROOT",
     "VENV_PYTHON",
     "DeviceSite",
     "HttpReply",
@@ -36,6 +38,8 @@ __all__ = [
 ]
 
 AGENT_CONFIG = "/etc/sits/agent.yaml"
+PULL_CONFIG = "/etc/sits/pull.yaml"  # pull mode: what `sits-agent poll` reads (deployer.agent.poll)
+PULL_ROOT = "/etc/sits/pull-root.json"
 KEYS_DIR = "/etc/sits/keys"
 UNIT_DIR = "/etc/systemd/system"
 VENV_PYTHON = "/opt/sits/venv/bin/python"
@@ -89,7 +93,8 @@ class DeviceSite:
     @property
     def managed_files(self) -> tuple[str, ...]:
         """Device files whose hashes the facts report (the trusted keys are listed on the device)."""
-        return (AGENT_CONFIG, f"{UNIT_DIR}/sits-agent.service", f"{UNIT_DIR}/sits-rollback.service")
+        units = ("sits-agent.service", "sits-rollback.service", "sits-poll.service", "sits-poll.timer")
+        return (AGENT_CONFIG, PULL_CONFIG, PULL_ROOT, *(f"{UNIT_DIR}/{unit}" for unit in units))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,13 @@ Target paths, each the signed release manifest plus its payload::
 The channel's own history picks the patch bases (the artifacts it published before), and its
 highest counter is the floor for new releases, so a fleet rollback is a release with a higher counter.
 Files reach the destination targets first and timestamp.json last, so a poller never sees a
-timestamp that names files not yet there. Raises KeyFileError, ConfigError, BuildError, TransportError.
+timestamp that names files not yet there.
+
+Keys per role (deployer.publish_keys): each role is signed only when it must change, so routine
+re-signing of the timestamp needs only the online keys. When deploy.yaml's role keys or thresholds
+differ from the channel's root, the root is rotated: `<n+1>.root.json` lists the new keys and is
+signed by a threshold of the old root's keys and of the new ones, which lets devices that trust
+root n follow the chain. Raises KeyFileError, ConfigError, BuildError, TransportError.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from securesystemslib.signer import CryptoSigner, Signer, SSlibKey
+from securesystemslib.signer import Signer
+from tuf.api.exceptions import UnsignedMetadataError
 from tuf.api.metadata import (
     Metadata,
     MetaFile,
@@ -42,20 +49,22 @@ from tuf.api.serialization.json import JSONSerializer
 
 from deployer.config.models import Config, Publish
 from deployer.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store, build_target
-from deployer.errors import ConfigError, KeyFileError
+from deployer.errors import ConfigError, KeyFileError, SitsError
+from deployer.publish_keys import ROLES, KeyRing
 from deployer.publish_upload import upload
 
 __all__ = [
     "ChannelTarget",
     "PublishedChannel",
     "SignedChannel",
+    "channel_dir",
+    "channel_root",
     "channel_targets",
-    "load_signers",
     "publish",
+    "published_artifact",
     "sign_channel",
 ]
 
-ROLES = (Root.type, Targets.type, Snapshot.type, Timestamp.type)
 FULL_RELEASE = "full/release.json"
 # A root is re-signed under a new version once it has less than this left.
 _ROOT_RENEW = timedelta(days=30)
@@ -73,7 +82,8 @@ class ChannelTarget:
 
 @dataclass(frozen=True)
 class PublishedChannel:
-    """What `publish` did to one channel."""
+    """What `publish` did to one channel. `root_change` is "created", "renewed" or "rotated" when the
+    channel's root got a new version; `warnings` name roles left unrenewed for want of offline keys."""
 
     channel: str
     version: str
@@ -86,15 +96,21 @@ class PublishedChannel:
     local_dir: Path
     destination: str
     uploaded: int
+    root_version: int
+    root_change: str | None
+    warnings: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class SignedChannel:
-    """The metadata versions `sign_channel` wrote; `changed` is False when only the timestamp was."""
+    """The metadata versions `sign_channel` wrote; `changed` is False when the release files were not."""
 
     targets_version: int
     timestamp_version: int
     changed: bool
+    root_version: int
+    root_change: str | None
+    warnings: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -107,20 +123,32 @@ class _Current:
     timestamp: Metadata[Timestamp] | None
 
 
+def channel_dir(config: Config, name: str) -> Path:
+    """Where the controller keeps channel `name` (what `publish` copies to its destination)."""
+    return config.base_dir / SITS_DIRNAME / "channels" / name
+
+
 def publish(
-    config: Config, to: str, *, channels: tuple[str, ...] = (), now: datetime | None = None
+    config: Config,
+    to: str,
+    *,
+    channels: tuple[str, ...] = (),
+    target: Desired | None = None,
+    old_root_keys: tuple[Path, ...] = (),
+    now: datetime | None = None,
 ) -> list[PublishedChannel]:
-    """Build (or reuse) deploy.yaml's target, sign releases and TUF metadata, and upload per channel."""
+    """Sign releases of `target` (default: build deploy.yaml's model) and TUF metadata, and upload
+    each chosen channel (default: all). `old_root_keys` are private keys of the channels' current
+    root, needed when deploy.yaml's role keys changed and the root rotates."""
     settings = config.publish or Publish()
     chosen = _chosen_channels(settings, channels)
-    signers = load_signers(config, settings)
-    target = build_target(config)
+    keys = KeyRing(config, settings, old_root_keys)
+    target = target or build_target(config)
     releaser = Releaser(config)
     results = []
     for name in chosen:
-        local = config.base_dir / SITS_DIRNAME / "channels" / name
-        current = _read_current(local)
-        history = _history(current)
+        local = channel_dir(config, name)
+        history = _history(_read_current(local))
         bases = [
             d
             for sha in history.artifacts
@@ -130,7 +158,7 @@ def publish(
         full = releaser.release(target, None, floor=floor)
         patches = [(b, releaser.release(target, b, floor=floor)) for b in bases]
         files = channel_targets(target, full, patches)
-        outcome = sign_channel(local, files, signers, settings, config, now=now or datetime.now(UTC))
+        outcome = sign_channel(local, files, keys, settings, config, now=now or datetime.now(UTC))
         destination = f"{to.rstrip('/')}/{name}"
         uploaded = upload(local, destination)
         results.append(
@@ -146,9 +174,45 @@ def publish(
                 local_dir=local,
                 destination=destination,
                 uploaded=uploaded,
+                root_version=outcome.root_version,
+                root_change=outcome.root_change,
+                warnings=outcome.warnings,
             )
         )
     return results
+
+
+def published_artifact(config: Config, name: str) -> Desired:
+    """The artifact channel `name` publishes now, from this controller's store. Raises SitsError
+    when the channel was never published here or the store no longer has its artifact."""
+    targets = _read_current(channel_dir(config, name)).targets
+    full = targets.signed.targets.get(FULL_RELEASE) if targets else None
+    if full is None:
+        raise SitsError(
+            f"channel {name} was never published from this project",
+            hint=f"run `sits-deployer publish --channel {name} --to ...` first",
+        )
+    sha = str((full.unrecognized_fields.get("custom") or {}).get("artifact_sha256", ""))
+    found = artifact_in_store(config, sha)
+    if found is None:
+        raise SitsError(
+            f"channel {name} publishes artifact {sha[:12]}, which this project's store no longer has",
+            hint="publish the channel again from the deploy.yaml that built it",
+        )
+    return found
+
+
+def channel_root(config: Config, name: str) -> bytes:
+    """The newest root metadata of channel `name`: the trust anchor devices are provisioned with.
+    Raises ConfigError when the channel was never published here."""
+    meta = channel_dir(config, name) / "metadata"
+    versions = _root_versions(meta)
+    if not versions:
+        raise ConfigError(
+            f"channel {name} has no root metadata yet ({meta}), so devices cannot be provisioned to poll it",
+            hint=f"run `sits-deployer publish --channel {name} --to ...` first, then plan/apply",
+        )
+    return (meta / f"{versions[-1]}.root.json").read_bytes()
 
 
 def channel_targets(
@@ -204,7 +268,7 @@ def _history(current: _Current) -> _History:
 def sign_channel(
     local: Path,
     files: list[ChannelTarget],
-    signers: list[Signer],
+    keys: KeyRing,
     settings: Publish,
     config: Config,
     *,
@@ -212,30 +276,41 @@ def sign_channel(
 ) -> SignedChannel:
     """Write the channel's target files and new metadata under `local`.
 
-    Targets and snapshot get a new version only when the files changed, they passed half their
-    validity, or the root was renewed; the timestamp always does.
+    Each role gets a new version only when it must (new files, a rotated root that no longer
+    accepts its signatures, its parent changed) or when it passed half its validity; the timestamp
+    always does. A renewal that lacks offline keys is skipped with a warning; anything else raises.
     """
     now = now.replace(microsecond=0)
+    warnings: list[str] = []
     current = _read_current(local)
-    root = _root(local, current, signers, settings, now)
+    root, root_change = _root(local, current, keys, settings, now, warnings)
     long_lived = now + (config.signing.expires_in if config.signing else timedelta(days=30))
     entries = {f.path: _target_file(f) for f in files}
     old_targets, old_snapshot = current.targets, current.snapshot
     changed = old_targets is None or _fingerprint(old_targets.signed.targets) != _fingerprint(entries)
-    renew = old_targets is None or old_targets.signed.expires - now < (long_lived - now) / 2
-    if changed or renew or current.root is None or root.signed.version != current.root.signed.version:
+
+    targets = old_targets
+    must = changed or not _valid(root, Targets.type, old_targets)
+    signers = _signers_if(keys, Targets.type, must, _due(old_targets, now, long_lived), old_targets, warnings)
+    if signers:
         for f in files:
             _place_target(local, f, entries[f.path])
         version = old_targets.signed.version + 1 if old_targets else 1
         targets = Metadata(Targets(version=version, expires=long_lived, targets=entries))
         _write_signed(local / "metadata" / f"{version}.targets.json", targets, signers)
-        snap_version = old_snapshot.signed.version + 1 if old_snapshot else 1
-        snapshot = Metadata(
-            Snapshot(version=snap_version, expires=long_lived, meta={"targets.json": MetaFile(version)})
-        )
-        _write_signed(local / "metadata" / f"{snap_version}.snapshot.json", snapshot, signers)
-    else:
-        targets, snapshot = old_targets, old_snapshot
+
+    snapshot = old_snapshot
+    must = targets is not old_targets or not _valid(root, Snapshot.type, old_snapshot)
+    signers = _signers_if(
+        keys, Snapshot.type, must, _due(old_snapshot, now, long_lived), old_snapshot, warnings
+    )
+    if signers:
+        assert targets is not None
+        version = old_snapshot.signed.version + 1 if old_snapshot else 1
+        meta = {"targets.json": MetaFile(targets.signed.version)}
+        snapshot = Metadata(Snapshot(version=version, expires=long_lived, meta=meta))
+        _write_signed(local / "metadata" / f"{version}.snapshot.json", snapshot, signers)
+
     assert snapshot is not None and targets is not None
     ts_version = current.timestamp.signed.version + 1 if current.timestamp else 1
     timestamp = Metadata(
@@ -245,41 +320,105 @@ def sign_channel(
             snapshot_meta=MetaFile(snapshot.signed.version),
         )
     )
-    _write_signed(local / "metadata" / "timestamp.json", timestamp, signers)
-    return SignedChannel(targets.signed.version, ts_version, changed)
+    _write_signed(local / "metadata" / "timestamp.json", timestamp, keys.signers(Timestamp.type))
+    return SignedChannel(
+        targets.signed.version, ts_version, changed, root.signed.version, root_change, tuple(warnings)
+    )
 
 
 def _root(
-    local: Path, current: _Current, signers: list[Signer], settings: Publish, now: datetime
-) -> Metadata[Root]:
-    """The channel's root: made at first publish, re-signed under a new version before it expires."""
+    local: Path, current: _Current, keys: KeyRing, settings: Publish, now: datetime, warnings: list[str]
+) -> tuple[Metadata[Root], str | None]:
+    """The channel's root and what happened to it: made at first publish ("created"), a new version
+    listing deploy.yaml's role keys when they differ ("rotated"), or re-signed before it expires
+    ("renewed"); None when it stays."""
     root = current.root
-    keyids = {s.public_key.keyid for s in signers}
-    if root is not None and set(root.signed.roles[Root.type].keyids) != keyids:
-        raise KeyFileError(
-            f"{local}: the channel's root trusts other keys than publish.keys / signing.private_key",
-            hint="publish with the channel's keys; key rotation needs a new root signed by the old keys",
+    if root is None:
+        change = "created"
+    elif not _same_roles(root.signed, keys):
+        change = "rotated"
+    elif root.signed.expires - now <= _ROOT_RENEW:
+        change = "renewed"
+    else:
+        return root, None
+    signers = _signers_if(keys, Root.type, change != "renewed", True, root, warnings)
+    if not signers:
+        assert root is not None  # only a renewal is optional
+        return root, None
+    if root is not None:
+        old = root.signed.roles[Root.type]
+        signers += keys.signers_among(
+            old.keyids,
+            old.threshold,
+            f"{change} root v{root.signed.version + 1} of {local.name}: the old root",
         )
-    if root is not None and root.signed.expires - now > _ROOT_RENEW:
-        return root
     fresh = Root(
         version=root.signed.version + 1 if root else 1,
         expires=now + settings.root_expires,
         consistent_snapshot=True,
     )
     for role in ROLES:
-        for signer in signers:
-            fresh.add_key(signer.public_key, role)
-        fresh.roles[role].threshold = settings.threshold
+        spec = keys.spec(role)
+        for key in spec.keys:
+            fresh.add_key(key.public, role)
+        fresh.roles[role].threshold = spec.threshold
     metadata = Metadata(fresh)
     _write_signed(local / "metadata" / f"{fresh.version}.root.json", metadata, signers)
-    return metadata
+    return metadata, change
+
+
+def _same_roles(root: Root, keys: KeyRing) -> bool:
+    """Whether `root` lists exactly deploy.yaml's keys and thresholds for every role."""
+    return all(
+        set(root.roles[role].keyids) == keys.spec(role).keyids
+        and root.roles[role].threshold == keys.spec(role).threshold
+        for role in ROLES
+    )
+
+
+def _valid(root: Metadata[Root], role: str, metadata: Metadata | None) -> bool:
+    """Whether `metadata` (of a top-level `role`) carries enough signatures of the keys `root` lists."""
+    if metadata is None:
+        return False
+    try:
+        root.verify_delegate(role, metadata)
+    except UnsignedMetadataError:
+        return False
+    return True
+
+
+def _due(metadata: Metadata | None, now: datetime, expires: datetime) -> bool:
+    """Whether `metadata` passed half the validity a new version would get."""
+    return metadata is None or metadata.signed.expires - now < (expires - now) / 2
+
+
+def _signers_if(
+    keys: KeyRing, role: str, must: bool, due: bool, current: Metadata | None, warnings: list[str]
+) -> list[Signer]:
+    """The role's signers when it must be re-signed, or is due and its keys are here; else []
+    (with a warning for a renewal that lacks offline keys)."""
+    if not must and not due:
+        return []
+    try:
+        return keys.signers(role)
+    except KeyFileError as exc:
+        if must or current is None:
+            raise
+        warnings.append(
+            f"{role} v{current.signed.version} expires {current.signed.expires:%Y-%m-%d} and was not "
+            f"renewed: {exc.message}"
+        )
+        return []
+
+
+def _root_versions(meta: Path) -> list[int]:
+    return sorted(int(n) for p in meta.glob("*.root.json") if (n := p.name.split(".")[0]).isdigit())
 
 
 def _read_current(local: Path) -> _Current:
     """Load the newest root and the chain timestamp -> snapshot -> targets from `local/metadata`."""
     meta = local / "metadata"
-    roots = sorted(int(n) for p in meta.glob("*.root.json") if (n := p.name.split(".")[0]).isdigit())
+    roots = _root_versions(meta)
     if not roots:
         return _Current(None, None, None, None)
     root = Metadata[Root].from_file(str(meta / f"{roots[-1]}.root.json"))
@@ -324,42 +463,12 @@ def _place_target(local: Path, item: ChannelTarget, info: TargetFile) -> None:
 
 def _write_signed(path: Path, metadata: Metadata, signers: list[Signer]) -> None:
     metadata.signatures.clear()
-    for signer in signers:
+    for signer in {s.public_key.keyid: s for s in signers}.values():  # once per key
         metadata.sign(signer, append=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(metadata.to_bytes(_SERIALIZER))
     tmp.replace(path)
-
-
-def load_signers(config: Config, settings: Publish) -> list[Signer]:
-    """The TUF signers: `publish.keys`, else `signing.private_key` (passphrase from its env variable)."""
-    from deployer.sign import is_encrypted, load_private_key
-
-    signing = config.signing
-    paths = list(settings.keys) or ([signing.private_key] if signing and signing.private_key else [])
-    if not paths:
-        raise KeyFileError(
-            "publishing needs a private key: neither publish.keys nor signing.private_key is set",
-            hint="make one with `sits-deployer keygen -o keys/release` and name it under signing:",
-        )
-    if len(paths) < settings.threshold:
-        raise ConfigError(
-            f"publish.threshold is {settings.threshold} but only {len(paths)} key(s) are named",
-            hint="add keys under publish.keys or lower publish.threshold",
-        )
-    env = signing.passphrase_env if signing else "SITS_SIGNING_PASSPHRASE"
-    signers: list[Signer] = []
-    for name in paths:
-        path = config.resolve(name)
-        secret = None
-        if is_encrypted(path):
-            if env not in os.environ:
-                raise KeyFileError(f"{path} is encrypted and ${env} is not set", hint=f"export {env}=...")
-            secret = os.environ[env].encode("utf-8")
-        key = load_private_key(path, secret)
-        signers.append(CryptoSigner(key, SSlibKey.from_crypto(key.public_key())))
-    return signers
 
 
 def _chosen_channels(settings: Publish, wanted: tuple[str, ...]) -> list[str]:

@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "patch-apply": "deployer.cli.release_cmds:patch_apply",
     "release": "deployer.cli.release_cmds:release",
     "publish": "deployer.cli.publish_cmds:publish",
+    "promote": "deployer.cli.publish_cmds:promote",
     "demo": "deployer.cli.demo_cmds:demo",
     "plan": "deployer.cli.fleet_cmds:plan",
     "apply": "deployer.cli.fleet_cmds:apply",

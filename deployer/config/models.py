@@ -13,7 +13,9 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+from collections.abc import Mapping
 from datetime import timedelta
+from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +27,7 @@ from pydantic import (
     Field,
     GetCoreSchemaHandler,
     GetJsonSchemaHandler,
+    IPvAnyAddress,
     PlainSerializer,
     PrivateAttr,
     WithJsonSchema,
@@ -250,21 +253,80 @@ class Channel(_Model):
     selector: dict[str, str] = {}
 
 
+class RoleKeys(_Model):
+    """The keys of one TUF role: public key files (``.pub``), ``threshold`` of which must sign.
+
+    The private half, ``<name>.key`` beside each ``<name>.pub`` (as ``sits-deployer keygen`` writes
+    them), is read only when the role signs, so root and targets keys can stay offline.
+    """
+
+    keys: Annotated[list[FilePath], Field(min_length=1)]
+    threshold: Annotated[int, Field(ge=1)] = 1
+
+    @field_validator("keys")
+    @classmethod
+    def _public_files(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if not key.endswith(".pub"):
+                raise ValueError(
+                    f"{key!r}: name the public key (.pub); its private half <name>.key is read beside it"
+                )
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key is named twice")
+        return keys
+
+    @model_validator(mode="after")
+    def _threshold_met(self) -> RoleKeys:
+        if self.threshold > len(self.keys):
+            raise ValueError(
+                f"threshold {self.threshold} cannot be met by {len(self.keys)} key(s): "
+                "name more keys or lower the threshold"
+            )
+        return self
+
+
+class Roles(_Model):
+    """Keys per TUF role. A role left out is signed by ``signing.private_key`` alone.
+
+    Keep root and targets offline (publishing a new release needs targets; rotating or renewing the
+    root needs root); timestamp and snapshot are online: a routine re-sign needs only them.
+    """
+
+    root: RoleKeys | None = None
+    targets: RoleKeys | None = None
+    snapshot: RoleKeys | None = None
+    timestamp: RoleKeys | None = None
+
+
 class Publish(_Model):
     """Pull mode: signed TUF channels on static HTTP or S3 (``sits-deployer publish``) that devices poll.
 
-    The TUF roles are signed with ``keys`` (private keys; default: ``signing.private_key``), ``threshold``
-    of them per role. Targets and snapshot live as long as ``signing.expires_in``; only the timestamp is
-    short-lived: re-publish (or re-sign it) more often than ``timestamp_expires``.
+    The TUF roles are signed with the keys under ``roles`` (default: ``signing.private_key``). Targets
+    and snapshot live as long as ``signing.expires_in``; only the timestamp is short-lived: re-publish
+    (or re-sign it) more often than ``timestamp_expires``. With ``base_url`` set, ``apply`` provisions
+    each device whose labels match a channel to poll ``<base_url>/<channel>/``.
     """
 
     channels: Annotated[list[Channel], Field(min_length=1)] = [Channel(name="stable")]
-    base_url: str | None = None
-    keys: list[FilePath] = []
-    threshold: Annotated[int, Field(ge=1)] = 1
+    base_url: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    roles: Roles = Roles()
     timestamp_expires: Duration = Field(default="1d", validate_default=True)
     root_expires: Duration = Field(default="365d", validate_default=True)
     patch_bases: Annotated[int, Field(ge=0, le=32)] = 3
+
+    @field_validator("channels")
+    @classmethod
+    def _unique_names(cls, channels: list[Channel]) -> list[Channel]:
+        names = [c.name for c in channels]
+        if len(set(names)) != len(names):
+            raise ValueError(f"channel names must be unique, got {', '.join(names)}")
+        return channels
+
+    def channel_for(self, labels: Mapping[str, str]) -> Channel | None:
+        """The channel a device with these labels polls: the first whose selector they all match."""
+        return next(
+            (c for c in self.channels if all(labels.get(k) == v for k, v in c.selector.items())), None
+        )
 
 
 class Device(_Model):
@@ -384,6 +446,8 @@ class AgentSettings(_Model):
     """The device agent's serving settings."""
 
     engine: Literal["torch", "llama.cpp"] = "torch"
+    # Loopback by default: the API has no authentication, so serving the LAN is an explicit choice.
+    host: IPvAnyAddress = IPv4Address("127.0.0.1")
     port: Port = 8080
     max_concurrent: Annotated[int, Field(ge=1)] = 4
     queue_length: Annotated[int, Field(ge=0)] = 16

@@ -1,16 +1,19 @@
 """A client that keeps asking the fleet while it is updated, and counts what failed.
 
-It uses the official `openai` client, as a user's application would, against loopback agents
-only; it is bounded by a stop event and a request cap so it always ends by itself.
+It uses the official `openai` client, as a user's application would, against loopback agents (or,
+in the lab's tests, agents inside the lab's network namespaces); it is bounded by a stop event and a
+request cap so it always ends by itself.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 LOOPBACK = "127.0.0.1"
+Target = int | tuple[str, int]  # a loopback port, or (host, port)
 
 
 @dataclass
@@ -23,16 +26,17 @@ class TrafficReport:
     versions: Counter = field(default_factory=Counter)
 
 
-def client(port: int, *, timeout_s: float = 120.0) -> object:
-    """An openai client for the agent on a loopback port."""
+def client(target: Target, *, timeout_s: float = 120.0) -> object:
+    """An openai client for the agent at `target` (a loopback port, or (host, port))."""
     from openai import OpenAI
 
-    return OpenAI(base_url=f"http://{LOOPBACK}:{port}/v1", api_key="demo", timeout=timeout_s, max_retries=0)
+    host, port = (LOOPBACK, target) if isinstance(target, int) else target
+    return OpenAI(base_url=f"http://{host}:{port}/v1", api_key="demo", timeout=timeout_s, max_retries=0)
 
 
-def ask(port: int, question: str, *, max_tokens: int = 32) -> tuple[str, str]:
+def ask(target: Target, question: str, *, max_tokens: int = 32) -> tuple[str, str]:
     """One greedy chat completion: (answer text, model version that answered)."""
-    reply = client(port).chat.completions.create(
+    reply = client(target).chat.completions.create(
         model="default",
         messages=[{"role": "user", "content": question}],
         max_tokens=max_tokens,
@@ -42,10 +46,10 @@ def ask(port: int, question: str, *, max_tokens: int = 32) -> tuple[str, str]:
 
 
 class Traffic:
-    """Round-robin chat requests to `ports` in a background thread until stopped."""
+    """Round-robin chat requests to `targets` in a background thread until stopped."""
 
-    def __init__(self, ports: list[int], *, question: str, max_requests: int = 2000) -> None:
-        self._ports = ports
+    def __init__(self, targets: Sequence[Target], *, question: str, max_requests: int = 2000) -> None:
+        self._targets = list(targets)
         self._question = question
         self._max = max_requests
         self._stop = threading.Event()
@@ -63,10 +67,10 @@ class Traffic:
     def _run(self) -> None:
         sent = 0
         while not self._stop.is_set() and sent < self._max:
-            port = self._ports[sent % len(self._ports)]
+            target = self._targets[sent % len(self._targets)]
             sent += 1
             try:
-                _, version = ask(port, self._question, max_tokens=8)
+                _, version = ask(target, self._question, max_tokens=8)
             except Exception as exc:  # any failure is what we count; the demo prints them
                 self.report.failed += 1
                 self.report.errors[type(exc).__name__] += 1

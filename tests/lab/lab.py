@@ -30,6 +30,13 @@ ACTIVE = Path("/run/sits-lab.json")  # which workdir holds the running lab: name
 LOCK = Path("/run/sits-lab.lock")
 TOOLS = ("ip", "systemd-nspawn", "nsenter", "ssh-keygen", "systemd-id128", "mount")
 BOOT_TIMEOUT_S = 60
+# What `Lab.reset` runs on a device: stop and forget our units, then remove everything we wrote.
+RESET_SCRIPT = (
+    "systemctl stop 'sits-*' 2>/dev/null; systemctl reset-failed 'sits-*' 2>/dev/null; "
+    "rm -rf /etc/systemd/system/sits-* /etc/systemd/system/timers.target.wants/sits-* "
+    "/etc/systemd/system/multi-user.target.wants/sits-* /var/lib/sits /etc/sits /var/log/sits-agent.log; "
+    "systemctl daemon-reload; /opt/sits/venv/bin/pip uninstall -q -y sits-deployer 2>/dev/null; true"
+)
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,13 @@ class Lab:
     def nsenter(self, index: int, args: list[str], *, timeout: float = 30) -> str:
         """Run a command inside device `index` without SSH; returns stdout, raises on failure."""
         return devices.nsenter(self.device(index), args, timeout=timeout)
+
+    def reset(self, index: int) -> None:
+        """Return device `index` to its factory state: no agent units, store, config or pull files.
+
+        The lab is session-wide; test modules call this so that none depends on what an earlier
+        module left on the devices (another model, keys, counters)."""
+        devices.nsenter(self.device(index), ["sh", "-c", RESET_SCRIPT], timeout=60)
 
     enter_hub = staticmethod(netns.enter_hub)
     in_hub = staticmethod(netns.in_hub)

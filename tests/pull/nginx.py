@@ -1,4 +1,4 @@
-"""nginx from Debian on a free loopback port, with a generated config, serving one directory.
+"""nginx from Debian on a free port (loopback by default), with a generated config, serving one directory.
 
 Used by the pull-mode tests and by bench/pull.py. The access log records each request's path,
 status and body bytes, so callers can see exactly what a poll cost on the wire.
@@ -34,7 +34,7 @@ http {{
     default_type application/octet-stream;
     keepalive_requests 100000;
     server {{
-        listen 127.0.0.1:{port};
+        listen {host}:{port};
         root {root};
         location / {{ }}
     }}
@@ -49,10 +49,11 @@ class Nginx:
     root: Path
     port: int
     log: Path
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def requests(self) -> list[tuple[str, int, int]]:
         """(path, status, body bytes) of every request served so far."""
@@ -69,24 +70,29 @@ class Nginx:
         self.log.write_text("")
 
 
-def start_nginx(root: Path, run: Path, *, connections: int = 512) -> tuple[subprocess.Popen, Nginx]:
-    """Start nginx serving `root` on a free loopback port; wait until it accepts connections."""
+def start_nginx(
+    root: Path, run: Path, *, connections: int = 512, host: str = "127.0.0.1"
+) -> tuple[subprocess.Popen, Nginx]:
+    """Start nginx serving `root` on a free port of `host` (loopback, or the lab hub's bridge address
+    from inside the hub); wait until it accepts connections."""
     if not Path(NGINX).exists():
         raise FileNotFoundError("nginx is not installed (apt-get install -y nginx)")
     run.mkdir(parents=True, exist_ok=True)
     root.mkdir(parents=True, exist_ok=True)
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((host, 0))
         port = probe.getsockname()[1]
     user = "user root;" if os.geteuid() == 0 else ""  # workers must read files under the tmp dirs
     conf = run / "nginx.conf"
-    conf.write_text(_CONF.format(user=user, run=run, port=port, root=root, connections=connections))
+    conf.write_text(
+        _CONF.format(user=user, run=run, host=host, port=port, root=root, connections=connections)
+    )
     proc = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(run)], stderr=subprocess.PIPE)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, Nginx(root, port, run / "access.log")
+            socket.create_connection((host, port), timeout=0.2).close()
+            return proc, Nginx(root, port, run / "access.log", host)
         except OSError:
             if proc.poll() is not None:
                 raise RuntimeError(
