@@ -4,6 +4,7 @@
   checkpoint (fp32 safetensors + tokenizer files), cached under ``~/.cache/sits-deployer``.
 * `make_tiny_checkpoint()` writes a seeded, few-layer Llama checkpoint with a real byte-level BPE
   tokenizer, for fast unit tests.
+* `make_smollm2_variant()` nudges SmolLM2's last layers: a real "v2" for rollouts, without training.
 
 Both need the dev extras (`transformers`, `gguf`, `tokenizers`); the device agent never imports this.
 """
@@ -185,6 +186,32 @@ def make_tiny_checkpoint(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(dest, safe_serialization=True)
+    return dest
+
+
+def make_smollm2_variant(dest: Path, *, seed: int = 1, layers: int = 2) -> Path:
+    """SmolLM2 with its last `layers` decoder layers nudged (1% multiplicative noise, seeded): a
+    cheap, deterministic stand-in for a fine-tune, for tests and benches that need a real v2.
+
+    Only those layers' tensors change, as after a partial fine-tune, so a delta patch carries them
+    alone; the answers stay fluent."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = prepare_smollm2()
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(source, dest)
+    weights = dest / "model.safetensors"
+    tensors = load_file(weights)
+    count = json.loads((dest / "config.json").read_text())["num_hidden_layers"]
+    nudged = tuple(f"model.layers.{i}." for i in range(count - layers, count))
+    generator = torch.Generator().manual_seed(seed)
+    for name in sorted(tensors):
+        if name.startswith(nudged):
+            noise = torch.randn(tensors[name].shape, generator=generator, dtype=tensors[name].dtype)
+            tensors[name] = tensors[name] * (1 + 1e-2 * noise)
+    save_file(tensors, weights, metadata={"format": "pt"})
     return dest
 
 

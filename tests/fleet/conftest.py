@@ -62,6 +62,13 @@ class Project:
             doc[key] = value
         self.config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
+    def edit_device(self, name: str, **fields: object) -> None:
+        """Change inventory fields of device `name` in deploy.yaml (e.g. host, port, known_hosts)."""
+        doc = yaml.safe_load(self.config_path.read_text())
+        device = next(d for d in doc["fleet"]["devices"] if d["name"] == name)
+        device.update(fields)
+        self.config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
     def cli(self, *args: str) -> Result:
         return CliRunner().invoke(cli, [*args], catch_exceptions=False)
 

@@ -25,6 +25,13 @@ from tests.lab.lab import Lab
 pytestmark = pytest.mark.lab
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_devices(lab: Lab) -> None:
+    """Devices 1-3 as from the factory, whatever an earlier module left on them."""
+    for i in (1, 2, 3):
+        lab.reset(i)
+
+
 @pytest.fixture
 def ssh_project(hub: Lab, tmp_path, tiny_model_dir):
     devices = [

@@ -1,4 +1,4 @@
-"""pytest fixtures for tests against the device lab (3 booted nspawn devices): a pytest plugin.
+"""pytest fixtures for tests against the device lab (5 booted nspawn devices): a pytest plugin.
 
 Network safety: the lab is brought up in the root namespace (guard route first), but every client
 runs inside the hub namespace: the `hub` fixture moves the test's thread there, and `ssh_to` refuses
@@ -22,7 +22,7 @@ from deployer.transport.ssh import SshOptions, SshTransport
 from tests.lab.lab import TOOLS, Lab
 from tests.lab.netns import require_hub_for
 
-LAB_DEVICES = 3
+LAB_DEVICES = 5  # the rollout tests need 5; the others use the first 3
 LAB_TTL_S = 2400  # the reaper tears the lab down by itself after this, or as soon as pytest dies
 
 
@@ -40,7 +40,7 @@ def lab_unavailable() -> str | None:
 
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    """A running lab of 3 devices, torn down at the end of the session (or by its reaper)."""
+    """A running lab of LAB_DEVICES devices, torn down at the end of the session (or by its reaper)."""
     reason = lab_unavailable()
     if reason:
         pytest.skip(reason)
