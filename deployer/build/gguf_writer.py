@@ -8,8 +8,9 @@ into the artifact manifest beside the file.
 
 Which ggml type a tensor gets follows deploy.yaml's scheme per module (overrides and the layered
 preset included): fp32/fp16/bf16 -> F32/F16/BF16, int8 -> Q8_0, int4 (group size 32) -> Q4_1
-(asymmetric, like our int4) or Q4_0 (symmetric) when asked. Norms stay F32; the token embedding
-(also the tied output head) is Q8_0 under integer schemes, as llama.cpp's own files keep it.
+(asymmetric, like our int4) or Q4_0 (symmetric), as `quantization.gguf_int4` says. Norms stay F32;
+the token embedding (also the tied output head) is Q8_0 under integer schemes, as llama.cpp's own
+files keep it. (The K-quants are not offered: the gguf package cannot quantize to them.)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from deployer.build.progress import BuildProgress, SilentProgress
 from deployer.build.quantize import is_head_or_embedding, module_scheme
 from deployer.build.source import SourceModel, iter_tensors
-from deployer.build.spec import QuantSpec
+from deployer.build.spec import GGUF_INT4_TYPES, QuantSpec
 from deployer.core.gguf_io import GGUF_FILE, read_gguf_header
 from deployer.errors import BuildError, SourceModelError
 
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 GGUF_NAME = GGUF_FILE
-INT4_TYPES = ("Q4_1", "Q4_0")
+INT4_TYPES = GGUF_INT4_TYPES
 GGUF_BLOCK = 32
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
 _FLOAT_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
@@ -79,7 +80,9 @@ class GGUFTensorRecord:
         return {"file": GGUF_NAME, "dtype": self.dtype, "shape": list(self.shape), "sha256": self.sha256}
 
 
-def plan_gguf(source: SourceModel, spec: QuantSpec, *, int4_type: str = "Q4_1") -> list[GGUFTensorPlan]:
+def plan_gguf(
+    source: SourceModel, spec: QuantSpec, *, int4_type: str = INT4_TYPES[0]
+) -> list[GGUFTensorPlan]:
     """The GGUF name, type and layout of every stored source tensor, in source order.
 
     Raises SourceModelError for an architecture llama.cpp's llama graph does not cover, and

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,13 +43,14 @@ BUILDER = {"name": "sits-deployer", "version": __version__}
 
 @dataclass(frozen=True)
 class _Written:
-    """What quantizing the weights produced, and how to read them back (fp32) for the gate."""
+    """What quantizing the weights produced, and how the gate runs them (in `runtime`)."""
 
     modules: dict[str, ModuleQuant]
     tensors: dict[str, Any]  # name -> a record with to_json() (TensorRecord or GGUFTensorRecord)
     count: int
     size: int
-    load_state: Callable[[], dict[str, Any]]
+    scorer: Callable[[], AbstractContextManager[quality.Scorer]]
+    runtime: str = "torch"
 
 
 def build_artifact(request: BuildRequest, *, progress: BuildProgress | None = None) -> BuildResult:
@@ -106,6 +108,9 @@ def _cache_inputs(request: BuildRequest, source_id: str) -> dict[str, Any]:
     gate = request.gate
     # The format joins the key only when it is not the default, so existing caches stay valid.
     formats = {"format": request.format} if request.format != "safetensors" else {}
+    if request.format == "gguf":
+        # Both shape the bytes: the tensor types, and the gate's figures in the manifest.
+        formats |= {"gguf_int4": request.gguf_int4, "gate_runtime": _gguf_gate_runtime()}
     return {
         **formats,
         "source_sha256": source_id,
@@ -171,21 +176,34 @@ def _write_weights(
         dict(writer.records),
         len(writer.records),
         writer.size,
-        lambda: load_state_dict(staged, modules),
+        lambda: quality.torch_scorer(source, load_state_dict(staged, modules)),
     )
 
 
 def _write_gguf(
     source: SourceModel, request: BuildRequest, staged: Path, progress: BuildProgress
 ) -> _Written:
-    """The weights, tokenizer and chat template as one GGUF file (for `agent.engine: llama.cpp`)."""
+    """The weights, tokenizer and chat template as one GGUF file (for `agent.engine: llama.cpp`),
+    gated through llama.cpp itself when it is installed."""
     from deployer.build.gguf_writer import GGUF_NAME, load_gguf_state, plan_gguf, write_gguf
 
-    plans = plan_gguf(source, request.quant)
+    plans = plan_gguf(source, request.quant, int4_type=request.gguf_int4)
     path = staged / GGUF_NAME
     progress.stage(f"writing GGUF ({request.quant.label}) from {source.path}")
     records = write_gguf(source, path, plans, name=request.name, version=request.version, progress=progress)
-    return _Written({}, records, len(records), path.stat().st_size, lambda: load_gguf_state(path, plans))
+    runtime = _gguf_gate_runtime()
+
+    def scorer() -> AbstractContextManager[quality.Scorer]:
+        if runtime == "llama.cpp":
+            return quality.llama_cpp_scorer(path, quality.window(source))
+        return quality.torch_scorer(source, load_gguf_state(path, plans))
+
+    return _Written({}, records, len(records), path.stat().st_size, scorer, runtime)
+
+
+def _gguf_gate_runtime() -> str:
+    """Where a GGUF's quality gate runs: llama.cpp's kernels, or (without the extra) torch in fp32."""
+    return "llama.cpp" if quality.llama_cpp_available() else "torch"
 
 
 def _plans(source: SourceModel, request: BuildRequest) -> dict[str, TensorPlan]:
@@ -203,9 +221,9 @@ def _gate(
 ) -> QualityReport | None:
     if request.gate is None:
         return None
-    progress.stage(f"quality gate: scoring on up to {request.gate.max_tokens} tokens")
-    state = written.load_state()
-    report = quality.apply_limits(quality.measure(source, state, request.gate), request.gate)
+    progress.stage(f"quality gate: scoring on up to {request.gate.max_tokens} tokens ({written.runtime})")
+    with written.scorer() as scorer:
+        report = quality.apply_limits(quality.measure(source, scorer, request.gate), request.gate)
     quality.enforce(report, request.quant.label)
     return report
 

@@ -1,15 +1,21 @@
 """The quality gate: how much did quantization hurt, measured on an eval text.
 
-Both models run through `transformers` on CPU in fp32: the reference straight from the source
-checkpoint, the quantized one from the artifact's weights dequantized to fp32. We compare
-perplexity, top-1 agreement of the next-token predictions, and the mean KL divergence
-KL(reference || quantized) per position. Figures are rounded to 4 significant digits before
-they go into the manifest, so float noise from thread scheduling cannot change the artifact id.
+The reference runs through `transformers` on CPU in fp32, straight from the source checkpoint.
+The quantized model runs where it will run on the device: a GGUF artifact through llama.cpp's own
+kernels (when llama-cpp-python is installed), a safetensors artifact (or a GGUF without
+llama.cpp) through `transformers` with its weights dequantized to fp32. We compare perplexity,
+top-1 agreement of the next-token predictions, and the mean KL divergence KL(reference ||
+quantized) per position. Figures are rounded to 4 significant digits before they go into the
+manifest, so float noise from thread scheduling cannot change the artifact id.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,6 +29,9 @@ from deployer.errors import BuildError, QualityGateError
 
 # Windows are scored independently; 512 keeps logits memory small (window x vocab x 4 bytes).
 MAX_WINDOW = 512
+
+# A model under test: the logits (positions x vocab, fp32) it gives for one window of token ids.
+Scorer = Callable[[list[int]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -81,18 +90,66 @@ def load_model(source: SourceModel, state: dict[str, torch.Tensor] | None = None
     return model.eval()
 
 
-def measure(source: SourceModel, state: dict[str, torch.Tensor], gate: GateSpec) -> QualityReport:
-    """Score the quantized weights `state` against the source model on the gate's eval text."""
+def window(source: SourceModel) -> int:
+    """How many tokens one scored window holds (the model's context, at most MAX_WINDOW)."""
+    return min(MAX_WINDOW, int(source.config.get("max_position_embeddings", MAX_WINDOW)))
+
+
+@contextmanager
+def torch_scorer(source: SourceModel, state: dict[str, torch.Tensor] | None = None) -> Iterator[Scorer]:
+    """Score in `transformers`: the source weights, or `state` (fp32, the source checkpoint's names)."""
+    model = load_model(source, state)
+    yield lambda ids: model(torch.tensor([ids])).logits[0].float()
+
+
+def llama_cpp_available() -> bool:
+    """True when llama-cpp-python is installed (a GGUF is then scored by llama.cpp itself)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+@contextmanager
+def llama_cpp_scorer(gguf_path: Path, context: int) -> Iterator[Scorer]:
+    """Score a GGUF file with llama.cpp's kernels (what the llama.cpp engine runs), `context` tokens
+    at most per window. Raises BuildError when llama.cpp cannot load the file."""
+    from llama_cpp import Llama
+
+    try:
+        llm = Llama(
+            model_path=str(gguf_path),
+            n_ctx=context,
+            n_batch=context,
+            n_ubatch=context,
+            n_threads=len(os.sched_getaffinity(0)),
+            logits_all=True,  # the gate needs every position's prediction, not only the last
+            verbose=False,
+        )
+    except (ValueError, RuntimeError) as exc:
+        raise BuildError(
+            f"{gguf_path}: llama.cpp could not load the GGUF for the quality gate: {exc}"
+        ) from exc
+
+    def score(ids: list[int]) -> torch.Tensor:
+        llm.reset()  # each window starts from an empty context, as in transformers
+        llm.eval(ids)
+        return torch.tensor(llm.scores[: len(ids)], dtype=torch.float32)
+
+    try:
+        yield score
+    finally:
+        llm.close()
+
+
+def measure(source: SourceModel, quantized: Scorer, gate: GateSpec) -> QualityReport:
+    """Score the quantized model `quantized` against the source model on the gate's eval text."""
     tokens = eval_tokens(source, gate.eval_text, gate.max_tokens)
-    window = min(MAX_WINDOW, int(source.config.get("max_position_embeddings", MAX_WINDOW)))
-    reference = load_model(source)
-    quantized = load_model(source, state)
+    size = window(source)
     totals = _Totals()
-    with torch.inference_mode():
-        for start in range(0, len(tokens) - 1, window):
-            chunk = torch.tensor([tokens[start : start + window + 1]])
-            if chunk.shape[1] >= 2:
-                totals = totals + _score(reference, quantized, chunk)
+    with torch_scorer(source) as reference, torch.inference_mode():
+        for start in range(0, len(tokens) - 1, size):
+            chunk = tokens[start : start + size + 1]
+            if len(chunk) >= 2:
+                inputs = chunk[:-1]
+                totals = totals + _score(reference(inputs), quantized(inputs), torch.tensor(chunk[1:]))
     ref_ppl = math.exp(totals.reference_nll / totals.positions)
     q_ppl = math.exp(totals.quantized_nll / totals.positions)
     return QualityReport(
@@ -106,11 +163,10 @@ def measure(source: SourceModel, state: dict[str, torch.Tensor], gate: GateSpec)
     )
 
 
-def _score(reference: torch.nn.Module, quantized: torch.nn.Module, chunk: torch.Tensor) -> _Totals:
-    """NLL, agreement and KL over the positions of one window (predicting tokens 1..n)."""
-    inputs, targets = chunk[:, :-1], chunk[0, 1:]
-    ref_logp = torch.log_softmax(reference(inputs).logits[0].float(), dim=-1)
-    q_logp = torch.log_softmax(quantized(inputs).logits[0].float(), dim=-1)
+def _score(ref_logits: torch.Tensor, q_logits: torch.Tensor, targets: torch.Tensor) -> _Totals:
+    """NLL, agreement and KL over the positions of one window (logits predicting `targets`)."""
+    ref_logp = torch.log_softmax(ref_logits, dim=-1)
+    q_logp = torch.log_softmax(q_logits, dim=-1)
     picked = targets[:, None]
     kl = (ref_logp.exp() * (ref_logp - q_logp)).sum(dim=-1)
     return _Totals(

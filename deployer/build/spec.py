@@ -16,6 +16,7 @@ from deployer.errors import BuildError
 SCHEMES = FLOAT_SCHEMES + INTEGER_SCHEMES
 PRESETS = ("layered",)
 FORMATS = ("safetensors", "gguf")  # gguf: one GGUF file for the llama.cpp engine
+GGUF_INT4_TYPES = ("Q4_1", "Q4_0")  # what int4 weights become in a GGUF (Q4_1 first: the default)
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 128
 
@@ -101,7 +102,8 @@ class GateSpec:
 
 @dataclass(frozen=True)
 class BuildRequest:
-    """Everything one build needs. `store_dir` is the content-addressed store (.sits/store)."""
+    """Everything one build needs. `store_dir` is the content-addressed store (.sits/store);
+    `gguf_int4` is the GGUF type of int4 weights (format gguf only)."""
 
     source_dir: Path
     name: str
@@ -111,11 +113,16 @@ class BuildRequest:
     gate: GateSpec | None = None
     use_cache: bool = True
     format: str = "safetensors"
+    gguf_int4: str = GGUF_INT4_TYPES[0]
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise BuildError(
                 f"unknown artifact format {self.format!r}", hint=f"use one of {', '.join(FORMATS)}"
+            )
+        if self.gguf_int4 not in GGUF_INT4_TYPES:
+            raise BuildError(
+                f"unknown GGUF int4 type {self.gguf_int4!r}", hint=f"use one of {', '.join(GGUF_INT4_TYPES)}"
             )
 
 

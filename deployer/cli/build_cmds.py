@@ -52,6 +52,7 @@ def request_from_config(config: Config, *, use_cache: bool = True) -> BuildReque
         use_cache=use_cache,
         # The llama.cpp engine runs GGUF files: build the artifact it can load.
         format="gguf" if config.agent.engine == "llama.cpp" else "safetensors",
+        gguf_int4=quant.gguf_int4,
     )
 
 

@@ -6,9 +6,15 @@ from pathlib import Path
 
 import click
 
+from deployer.cli.common import examples
+
 
 @click.command(
-    epilog="Examples:\n\n  sits-deployer demo\n\n  sits-deployer demo --workdir /tmp/sits-demo --keep"
+    epilog=examples(
+        "sits-deployer demo",
+        "sits-deployer demo --engine llama.cpp",
+        "sits-deployer demo --workdir /tmp/sits-demo --keep",
+    )
 )
 @click.option(
     "--workdir",
@@ -19,9 +25,16 @@ import click
 @click.option(
     "--finetune-steps", default=30, show_default=True, type=click.IntRange(min=1), help="AdamW steps for v2."
 )
-def demo(workdir: Path | None, keep: bool, finetune_steps: int) -> None:
+@click.option(
+    "--engine",
+    type=click.Choice(["torch", "llama.cpp"]),
+    default="torch",
+    show_default=True,
+    help="The agents' engine; llama.cpp serves a GGUF artifact (needs the llamacpp extra).",
+)
+def demo(workdir: Path | None, keep: bool, finetune_steps: int, engine: str) -> None:
     """Run the demo: 3 local devices, v1 (int8), a fine-tuned v2 as a canary delta under live
     traffic, then a fleet rollback to v1. Stops its agents and cleans up after itself."""
     from deployer.demo.run import DemoOptions, run_demo
 
-    run_demo(DemoOptions(workdir=workdir, keep=keep, finetune_steps=finetune_steps))
+    run_demo(DemoOptions(workdir=workdir, keep=keep, finetune_steps=finetune_steps, engine=engine))

@@ -66,9 +66,12 @@ def _available(name: str) -> bool:
 
 def report_error(exc: SitsError) -> None:
     """Print an error and its hint to stderr, never a traceback."""
-    console().print(f"[red]error:[/red] {exc.message}", markup=True)
+    from rich.markup import escape
+
+    # Escaped: brackets in messages are text (`pip install 'sits-deployer[llamacpp]'`), not markup.
+    console().print(f"[red]error:[/red] {escape(exc.message)}", markup=True)
     if exc.hint:
-        console().print(f"[yellow]hint:[/yellow] {exc.hint}")
+        console().print(f"[yellow]hint:[/yellow] {escape(exc.hint)}")
 
 
 @click.group(

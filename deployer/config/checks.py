@@ -24,6 +24,7 @@ from deployer.config.models import (
     Hooks,
     ModelSpec,
     Profile,
+    Quantization,
     Resources,
     Signing,
     Strategy,
@@ -186,19 +187,25 @@ def _model_findings(given: CheckInput) -> tuple[ModelShape | None, list[Finding]
 
 
 def _engine_findings(given: CheckInput) -> list[Finding]:
-    """The llama.cpp engine runs a GGUF artifact, whose 4-bit types quantize blocks of 32 weights."""
+    """The llama.cpp engine runs a GGUF artifact, whose 4-bit types quantize blocks of 32 weights;
+    `gguf_int4` means something only there, and only when some weights are int4."""
     model, agent = given.model, given.agent
-    if model is None or agent is None or agent.engine != "llama.cpp":
+    if model is None or agent is None:
         return []
     quant = model.quantization
-    at = ("model", "quantization")
-    uses = [((*at, "group_size"), quant.group_size)] if quant.scheme in ("int4", "layered") else []
-    uses += [
-        ((*at, "overrides", i, "group_size" if o.group_size else "scheme"), o.group_size or quant.group_size)
-        for i, o in enumerate(quant.overrides)
-        if o.scheme == "int4"
-    ]
-    return [
+    uses = _int4_group_sizes(quant)
+    llama_cpp = agent.engine == "llama.cpp"
+    findings = []
+    if "gguf_int4" in quant.model_fields_set and not (llama_cpp and uses):
+        unused = "no weight is int4" if llama_cpp else "agent.engine is not llama.cpp"
+        findings.append(
+            given.positions.finding(
+                ("model", "quantization", "gguf_int4"),
+                f"gguf_int4 is not used: {unused}",
+                "remove it, or use agent.engine: llama.cpp with int4 weights (scheme int4 or layered)",
+            )
+        )
+    return findings + [
         given.positions.finding(
             path,
             f"agent.engine llama.cpp needs int4 with group size {GGUF_BLOCK} (GGUF's 4-bit blocks), "
@@ -206,7 +213,18 @@ def _engine_findings(given: CheckInput) -> list[Finding]:
             f"set group_size: {GGUF_BLOCK}, use int8/fp16, or set agent.engine: torch",
         )
         for path, size in uses
-        if size != GGUF_BLOCK
+        if llama_cpp and size != GGUF_BLOCK
+    ]
+
+
+def _int4_group_sizes(quant: Quantization) -> list[tuple[tuple, int]]:
+    """(where in deploy.yaml, group size) of each setting that makes some weights int4."""
+    at = ("model", "quantization")
+    uses = [((*at, "group_size"), quant.group_size)] if quant.scheme in ("int4", "layered") else []
+    return uses + [
+        ((*at, "overrides", i, "group_size" if o.group_size else "scheme"), o.group_size or quant.group_size)
+        for i, o in enumerate(quant.overrides)
+        if o.scheme == "int4"
     ]
 
 

@@ -59,6 +59,7 @@ ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 Scheme = Literal["fp32", "fp16", "bf16", "int8", "int4", "layered"]
 GroupSize = Literal[32, 64, 128]
+GGUFInt4 = Literal["Q4_1", "Q4_0"]  # the gguf package quantizes these two 4-bit types (not the K-quants)
 StrategyType = Literal["all-at-once", "rolling", "canary", "blue-green"]
 STRATEGY_TYPES: tuple[str, ...] = ("all-at-once", "rolling", "canary", "blue-green")
 
@@ -181,12 +182,18 @@ class QuantOverride(_Model):
 
 
 class Quantization(_Model):
-    """How weights are stored. ``layered``: embeddings/head fp16, attention int4, MLP int8."""
+    """How weights are stored. ``layered``: embeddings/head fp16, attention int4, MLP int8.
+
+    ``gguf_int4`` picks the GGUF type of int4 weights for ``agent.engine: llama.cpp``: Q4_1
+    (asymmetric, with a per-block minimum, like the torch engine's int4) or Q4_0 (symmetric:
+    10% smaller, a little less accurate).
+    """
 
     scheme: Scheme = "int8"
     group_size: GroupSize = 128
     overrides: list[QuantOverride] = []
     awq: bool = False
+    gguf_int4: GGUFInt4 = "Q4_1"
 
     def scheme_for(self, module: str) -> tuple[Scheme, int]:
         """(scheme, group size) of a linear module such as 'model.layers.0.mlp.up_proj'.

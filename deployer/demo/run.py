@@ -1,5 +1,6 @@
 """The demo: a local 3-device fleet goes from nothing to v1, to a fine-tuned v2 by delta patch under
-canary with live traffic, and back to v1 - through the real `sits-deployer` commands.
+canary with live traffic, and back to v1 - through the real `sits-deployer` commands, with the agents
+on the torch engine (int8 safetensors) or the llama.cpp engine (a Q8_0 GGUF, patched as a GGUF).
 
 Each step prints the command a user would type and runs it in a subprocess, so the demo exercises
 exactly what the README documents. Everything lives in one work directory, removed at the end
@@ -28,15 +29,19 @@ from deployer.errors import SitsError
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "deploy.yaml"
 PROBES = ("What is SITS-Deployer?", "What is the capital of France?")
 PASSPHRASE_ENV = "SITS_SIGNING_PASSPHRASE"
+# What `build` makes of the example's int8 for each agent engine.
+ARTIFACTS = {"torch": "int8 safetensors", "llama.cpp": "int8 as a Q8_0 GGUF"}
 
 
 @dataclass(frozen=True)
 class DemoOptions:
-    """How the demo runs: where, how many fine-tune steps, and whether to keep the work dir."""
+    """How the demo runs: where, how many fine-tune steps, which agent engine, and whether to keep
+    the work dir."""
 
     workdir: Path | None = None
     keep: bool = False
     finetune_steps: int = 30
+    engine: str = "torch"
 
 
 @dataclass
@@ -53,13 +58,20 @@ class DemoProject:
 
 
 def run_demo(options: DemoOptions) -> None:
-    """Run every step; raise SitsError naming the step that failed."""
+    """Run every step; raise SitsError naming the step that failed (AgentError, before any step,
+    when the llama.cpp engine is asked for and llama-cpp-python is not installed)."""
+    if options.engine == "llama.cpp":
+        from deployer.agent.engines.llamacpp_engine import require_llama_cpp
+
+        require_llama_cpp()  # the agents would only fail to load their model, later and less clearly
     base = options.workdir or Path(tempfile.mkdtemp(prefix="sits-demo-"))
     base.mkdir(parents=True, exist_ok=True)
     project = None
     started = time.monotonic()
     try:
-        project = _step("Create signing keys and the demo project", lambda: make_project(base))
+        project = _step(
+            "Create signing keys and the demo project", lambda: make_project(base, engine=options.engine)
+        )
         _story(project, options)
         console().print(f"\n[bold green]Demo finished[/bold green] in {time.monotonic() - started:.0f} s.")
     finally:
@@ -73,7 +85,11 @@ def run_demo(options: DemoOptions) -> None:
 
 def _story(project: DemoProject, options: DemoOptions) -> None:
     _cli(project, "Validate deploy.yaml", ["validate", "-f", "deploy.yaml"])
-    _cli(project, "Build v1: SmolLM2-135M-Instruct, int8, quality-gated", ["build", "-f", "deploy.yaml"])
+    _cli(
+        project,
+        f"Build v1: SmolLM2-135M-Instruct, {ARTIFACTS[options.engine]}, quality-gated",
+        ["build", "-f", "deploy.yaml"],
+    )
     _cli(project, "Plan the rollout (nothing is changed)", ["plan", "-f", "deploy.yaml"])
     _cli(project, "Apply v1 to the fleet", ["apply", "-f", "deploy.yaml"])
     _ask_fleet(project, "v1 answers")
@@ -107,8 +123,9 @@ def _story(project: DemoProject, options: DemoOptions) -> None:
     _ask_fleet(project, "after rollback")
 
 
-def make_project(base: Path) -> DemoProject:
-    """The quickstart example, made runnable here: fresh keys, device roots and ports in `base`."""
+def make_project(base: Path, *, engine: str = "torch") -> DemoProject:
+    """The quickstart example, made runnable here: fresh keys, device roots and ports in `base`, the
+    agents on `engine`."""
     env = dict(os.environ)
     env[PASSPHRASE_ENV] = secrets.token_urlsafe(24)  # never printed; lives only in this process tree
     env.setdefault("COLUMNS", "150")  # tables in the subcommands stay readable when piped
@@ -122,6 +139,7 @@ def make_project(base: Path) -> DemoProject:
     doc["model"]["quality_gate"]["eval_text"] = str(
         (example_dir / doc["model"]["quality_gate"]["eval_text"]).resolve()
     )
+    doc["agent"]["engine"] = engine
     doc["signing"] = {
         "private_key": "keys/release.key",
         "passphrase_env": PASSPHRASE_ENV,
@@ -163,15 +181,16 @@ def _apply_under_traffic(project: DemoProject) -> object:
 def _ask_fleet(project: DemoProject, title: str) -> None:
     from rich.table import Table
 
-    from deployer.demo.traffic import ask
+    from deployer.demo.traffic import ask, serving
 
     table = Table(title=title, title_justify="left")
-    for column in ("device", "version", "question", "answer"):
+    for column in ("device", "version", "engine", "question", "answer"):
         table.add_column(column)
     for name, port in project.ports.items():
+        engine = serving(port)
         for question in PROBES:
             answer, model = ask(port, question)
-            table.add_row(name, model.rpartition("@")[2], question, answer)
+            table.add_row(name, model.rpartition("@")[2], engine, question, answer)
     console().print(table)
 
 

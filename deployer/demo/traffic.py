@@ -45,6 +45,14 @@ def ask(target: Target, question: str, *, max_tokens: int = 32) -> tuple[str, st
     return (reply.choices[0].message.content or "").strip(), reply.model
 
 
+def serving(port: int) -> str:
+    """The engine and quantization of the model the agent on `port` serves, e.g. 'llama.cpp Q8_0'."""
+    for model in client(port).models.list().data:
+        if getattr(model, "status", None) == "active":  # the agent's own fields, beside OpenAI's
+            return f"{getattr(model, 'engine', '?')} {getattr(model, 'quantization', '?')}"
+    return "nothing loaded"
+
+
 class Traffic:
     """Round-robin chat requests to `targets` in a background thread until stopped."""
 

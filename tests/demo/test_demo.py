@@ -1,7 +1,8 @@
-"""The README's demo, shortened (fewer fine-tune steps), run as a user runs it."""
+"""The README's demo, shortened (fewer fine-tune steps), run as a user runs it, on each agent engine."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -12,11 +13,26 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+ENGINES = [
+    "torch",
+    pytest.param(
+        "llama.cpp",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("llama_cpp") is None,
+            reason="llama-cpp-python is not installed (pip install 'sits-deployer[llamacpp]')",
+        ),
+    ),
+]
 
-def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path) -> None:
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path, engine: str) -> None:
     workdir = tmp_path / "demo"
     result = subprocess.run(
-        [sys.executable, "-m", "deployer", "demo", "--workdir", str(workdir), "--finetune-steps", "10"],
+        [
+            *(sys.executable, "-m", "deployer", "demo", "--workdir", str(workdir)),
+            *("--finetune-steps", "10", "--engine", engine),
+        ],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -26,7 +42,12 @@ def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path) -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert re.search(r"Traffic during the canary rollout: \d+ ok, 0 failed", out), out[-4000:]
-    assert re.search(r"Patch v1 -> v2: [\d.]+ MB against [\d.]+ MB", out)
+    sizes = re.search(r"Patch v1 -> v2: ([\d.]+) MB against ([\d.]+) MB", out)
+    assert sizes, out[-4000:]
+    # v2 differs from v1 only in its fine-tuned top blocks: the patch carries far less than the model.
+    assert float(sizes[1]) < float(sizes[2]) / 2
+    # Every device answered v2 through the engine asked for.
+    assert len(re.findall(rf"│ dev\d\s+│ 1\.1\.0\s+│ {re.escape(engine)} ", out)) == 6, out[-4000:]
     assert "Demo finished" in out
     # The passphrase the demo generated never reaches the output.
     assert "SITS_SIGNING_PASSPHRASE=" not in out
