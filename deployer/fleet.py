@@ -21,7 +21,7 @@ from deployer.bootstrap import build_wheel, desired_files
 from deployer.config.models import Config, Device
 from deployer.core.hashing import sha256_bytes
 from deployer.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store
-from deployer.errors import ConfigError, SitsError
+from deployer.errors import ConfigError, SignatureError, SitsError
 from deployer.executor import Executor, OnPhase, RolloutReport
 from deployer.facts import DeviceSite, controller_agent_version, gather_fleet
 from deployer.fleet_state import FleetLock, append_audit, read_audit
@@ -192,7 +192,29 @@ def prepare_releases(fleet: Fleet, fp: FleetPlan) -> dict[str, ReleaseFiles]:
             out[dp.device] = releaser.release(fp.target, base, floor=floor)
         elif StepKind.SEND_ARTIFACT in kinds:
             out[dp.device] = releaser.release(fp.target, None, floor=floor)
+    for manifest in sorted({r.manifest for r in out.values()}):
+        _check_signed_enough(fleet.config, manifest)
     return out
+
+
+def _check_signed_enough(config: Config, manifest: Path) -> None:
+    """Refuse before anything is sent when the devices would refuse the release's signatures, e.g.
+    a k-of-n threshold that the one signing key of `apply` cannot meet alone."""
+    from deployer.core.release import read_envelope
+    from deployer.core.verify import check_signatures, load_trusted_keys
+
+    signing = config.signing
+    if signing is None or not signing.trusted_keys:
+        return
+    trusted = load_trusted_keys([config.resolve(k) for k in signing.trusted_keys], signing.threshold)
+    try:
+        check_signatures(read_envelope(manifest), trusted)
+    except SignatureError as exc:
+        raise SignatureError(
+            f"{manifest}: {exc.message}; the devices would refuse it, so nothing was sent",
+            hint=f"have other trusted keys sign it (sits-deployer sign {manifest} --key OTHER.key), "
+            "then run apply again: it reuses this release",
+        ) from exc
 
 
 def apply_plan(
