@@ -15,6 +15,7 @@ order:
     blue-green    v2 staged on every reachable device, then switched; unplugged dev5 is skipped and
                   a re-run, once it is back, updates only dev5
     host keys     a device whose host key changed is refused, with its fingerprint; the rest go on
+    canary        v2 in steps of 1, 50%, 100% with an analysis window after each: all pass
 """
 
 from __future__ import annotations
@@ -198,3 +199,16 @@ def test_a_changed_host_key_is_refused_with_its_fingerprint(hub: Lab, fleet, hos
     status = _status(fleet)
     assert status["dev1"] == ("2.0.0", "ready")  # untouched
     assert {status[n] for n in NAMES[1:]} == {("1.0.0", "ready")}
+
+
+def test_canary_v2_completes_when_every_step_passes_its_analysis(hub: Lab, fleet):
+    # From the previous test: dev1 on v2 (it was refused), dev2-5 on v1.
+    strategy = {"type": "canary", "steps": [1, "50%", "100%"], "analysis_window": "2s"}
+    fleet.write("2.0.0", strategy=strategy)
+    with Traffic(_targets(hub), question=QUESTION, max_requests=400) as traffic:
+        code, report = _apply(fleet)
+    assert code == 0, report["results"]
+    rows = _by_device(report)
+    assert rows["dev1"]["status"] == "unchanged" and {rows[n]["status"] for n in NAMES[1:]} == {"updated"}
+    assert traffic.report.failed == 0, traffic.report.errors
+    assert _status(fleet) == dict.fromkeys(NAMES, ("2.0.0", "ready"))
