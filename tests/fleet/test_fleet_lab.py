@@ -34,15 +34,7 @@ def fresh_devices(lab: Lab) -> None:
 
 @pytest.fixture
 def ssh_project(hub: Lab, tmp_path, tiny_model_dir):
-    devices = [
-        {
-            "name": f"dev{i}",
-            "host": hub.device(i).address,
-            "identity_file": str(hub.client_key),
-            "known_hosts": str(hub.known_hosts),
-        }
-        for i in (1, 2, 3)
-    ]
+    devices = hub.inventory((1, 2, 3))
     return make_project(tmp_path / "project", {"1.0.0": tiny_model_dir}, devices)
 
 
@@ -94,16 +86,7 @@ NAMES = ("dev1", "dev2", "dev3")
 @pytest.fixture(scope="module")
 def lab_project(lab: Lab, tmp_path_factory, tiny_model_dir, tiny_model_dir_b):
     """One project for the rollout tests below (they build on each other, in file order)."""
-    devices = [
-        {
-            "name": name,
-            "host": lab.device(i).address,
-            "identity_file": str(lab.client_key),
-            "known_hosts": str(lab.known_hosts),
-            "labels": {"ring": "canary" if i == 1 else "main"},
-        }
-        for i, name in enumerate(NAMES, start=1)
-    ]
+    devices = lab.inventory((1, 2, 3), rings=True)
     models = {"1.0.0": tiny_model_dir, "2.0.0": tiny_model_dir_b}
     return make_project(tmp_path_factory.mktemp("lab-rollout"), models, devices)
 

@@ -49,16 +49,7 @@ def fleet(lab: Lab, tmp_path_factory, smollm2_dir: Path, smollm2_v2: Path):
     """A project for 5 factory-fresh lab devices serving on the lab network."""
     for i in range(1, 6):
         lab.reset(i)
-    devices = [
-        {
-            "name": name,
-            "host": lab.device(i).address,
-            "identity_file": str(lab.client_key),
-            "known_hosts": str(lab.known_hosts),
-            "labels": {"ring": "canary" if i == 1 else "main"},
-        }
-        for i, name in enumerate(NAMES, start=1)
-    ]
+    devices = lab.inventory(range(1, 6), rings=True)
     project = make_project(
         tmp_path_factory.mktemp("lab-smollm2"), {"1.0.0": smollm2_dir, "2.0.0": smollm2_v2}, devices
     )

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +131,22 @@ class Lab:
     def nsenter(self, index: int, args: list[str], *, timeout: float = 30) -> str:
         """Run a command inside device `index` without SSH; returns stdout, raises on failure."""
         return devices.nsenter(self.device(index), args, timeout=timeout)
+
+    def inventory(self, indices: Iterable[int], *, rings: bool = False) -> list[dict[str, object]]:
+        """deploy.yaml `fleet.devices` entries for these devices, reached over SSH with the lab's key
+        and known_hosts; with `rings`, the first is labelled ring=canary and the others ring=main."""
+        entries: list[dict[str, object]] = []
+        for i in indices:
+            entry: dict[str, object] = {
+                "name": self.device(i).name,
+                "host": self.device(i).address,
+                "identity_file": str(self.client_key),
+                "known_hosts": str(self.known_hosts),
+            }
+            if rings:
+                entry["labels"] = {"ring": "main" if entries else "canary"}
+            entries.append(entry)
+        return entries
 
     def reset(self, index: int) -> None:
         """Return device `index` to its factory state: no agent units, store, config or pull files.

@@ -41,15 +41,7 @@ def pull_fleet(
     proc, nginx = start_nginx(tmp_path / "published", tmp_path / "nginx", host=HUB_ADDRESS.split("/")[0])
     try:
         project = make_project(tmp_path / "project", sources, built_store)
-        project.devices = [
-            {
-                "name": f"dev{i}",
-                "host": hub.device(i).address,
-                "identity_file": str(hub.client_key),
-                "known_hosts": str(hub.known_hosts),
-            }
-            for i in INDICES
-        ]
+        project.devices = hub.inventory(INDICES)
         project.publish_extra = {"base_url": nginx.url}
         project.extra = {
             "agent": {"host": "0.0.0.0", "port": PORT, "max_tokens": 16},
