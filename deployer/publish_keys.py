@@ -17,18 +17,16 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from securesystemslib.signer import CryptoSigner, Signer, SSlibKey
 from tuf.api.metadata import Root, Snapshot, Targets, Timestamp
 
 from deployer.config.models import Config, Publish, RoleKeys
+from deployer.core.verify import load_public_key, read_key_file
 from deployer.errors import KeyFileError
 
 __all__ = ["ROLES", "KeyRing", "RoleKey", "RoleSpec", "private_half"]
 
 ROLES = (Root.type, Targets.type, Snapshot.type, Timestamp.type)
-_MAX_KEY_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -150,15 +148,5 @@ class KeyRing:
 
 def _public_key(path: Path) -> SSlibKey:
     """An EC P-256 public key PEM as a TUF key. Raises KeyFileError."""
-    try:
-        with path.open("rb") as f:
-            data = f.read(_MAX_KEY_BYTES)
-    except OSError as exc:
-        raise KeyFileError(f"{path}: cannot read the public key: {exc.strerror or exc}") from exc
-    try:
-        key = serialization.load_pem_public_key(data)
-    except ValueError as exc:
-        raise KeyFileError(f"{path}: not a PEM public key", hint="name the .pub file keygen wrote") from exc
-    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
-        raise KeyFileError(f"{path}: not an ECDSA P-256 public key", hint="use sits-deployer keygen")
+    _, key = load_public_key(read_key_file(path), str(path))
     return SSlibKey.from_crypto(key)

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from deployer.core.release import Envelope, Release, SignatureEntry
-from deployer.core.verify import MAX_KEY_BYTES, key_id
+from deployer.core.verify import key_id, read_key_file
 from deployer.errors import KeyFileError
 
 
@@ -77,11 +77,7 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
 
 def load_private_key(path: Path, passphrase: bytes | None) -> ec.EllipticCurvePrivateKey:
     """Load a P-256 private key PEM. Raises KeyFileError (missing, wrong passphrase, wrong type)."""
-    try:
-        with path.open("rb") as f:
-            pem = f.read(MAX_KEY_BYTES)
-    except OSError as exc:
-        raise KeyFileError(f"{path}: cannot read the key: {exc.strerror or exc}") from exc
+    pem = read_key_file(path)
     try:
         key = serialization.load_pem_private_key(pem, password=passphrase)
     except TypeError as exc:
@@ -98,12 +94,7 @@ def load_private_key(path: Path, passphrase: bytes | None) -> ec.EllipticCurvePr
 
 def is_encrypted(path: Path) -> bool:
     """Whether a private key PEM file is encrypted (so a passphrase is needed to load it)."""
-    try:
-        with path.open("rb") as f:
-            head = f.read(MAX_KEY_BYTES)
-    except OSError as exc:
-        raise KeyFileError(f"{path}: cannot read the key: {exc.strerror or exc}") from exc
-    return b"ENCRYPTED" in head
+    return b"ENCRYPTED" in read_key_file(path)
 
 
 def envelope_for(release: Release) -> Envelope:

@@ -86,16 +86,20 @@ def load_public_key(pem: bytes, where: str) -> tuple[str, ec.EllipticCurvePublic
     return key_id(key), key
 
 
+def read_key_file(path: Path) -> bytes:
+    """The first MAX_KEY_BYTES of a key file (no PEM key is longer). Raises KeyFileError."""
+    try:
+        with path.open("rb") as f:
+            return f.read(MAX_KEY_BYTES)
+    except OSError as exc:
+        raise KeyFileError(f"{path}: cannot read the key: {exc.strerror or exc}") from exc
+
+
 def load_trusted_keys(paths: Iterable[Path], threshold: int = 1) -> TrustedKeys:
     """Read public key files into a TrustedKeys. Raises KeyFileError."""
     keys: dict[str, ec.EllipticCurvePublicKey] = {}
     for path in paths:
-        try:
-            with path.open("rb") as f:
-                pem = f.read(MAX_KEY_BYTES)
-        except OSError as exc:
-            raise KeyFileError(f"{path}: cannot read the key: {exc.strerror or exc}") from exc
-        kid, key = load_public_key(pem, str(path))
+        kid, key = load_public_key(read_key_file(path), str(path))
         keys[kid] = key
     return TrustedKeys(keys, threshold)
 
