@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 
 import pytest
 
@@ -153,3 +154,28 @@ def test_smollm2_answers_as_llama_cpp_does_on_the_shipped_gguf(smollm2_gguf_dir)
     theirs = [t for t, _ in zip(shipped.generate(prompt, temp=0.0), range(16), strict=False)]
     assert ours == theirs
     assert engine.decode(ours).strip()
+
+
+@needs_llama_cpp
+def test_every_decode_runs_on_the_one_llama_thread_whichever_thread_asks(tiny_gguf_dir):
+    """Requests arrive on a new thread each; llama.cpp's OpenMP teams must not multiply (see the
+    module docstring of llamacpp_engine), so decoding always happens on the same thread."""
+    engine = _engine(tiny_gguf_dir)
+    engine.warmup()  # on this (the main) thread's call
+    llm = engine._loaded.llm
+    real_eval, seen = llm.eval, []
+
+    def eval_spy(tokens):  # the real eval, recording which thread runs it
+        seen.append(threading.current_thread().name)
+        return real_eval(tokens)
+
+    llm.eval = eval_spy
+    prompt = engine.chat_prompt(MESSAGES)
+    workers = [
+        threading.Thread(target=_run, args=(engine, prompt), kwargs={"max_tokens": 3}) for _ in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+        worker.join()
+    assert len(seen) >= 2 and len(set(seen)) == 1, seen
+    assert seen[0].startswith("llama.cpp") and seen[0] not in {w.name for w in workers}
