@@ -82,6 +82,10 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
         "latency_budget_ms": config.health.latency_budget_ms,
         "readiness_timeout_s": config.health.readiness_timeout.total_seconds(),
     }
+    if config.resources.cpu is not None:
+        # As many engine threads as whole CPUs in the quota: more threads than the quota allows
+        # spin at llama.cpp's barriers while throttled (decode collapses to a few tokens/s).
+        settings["threads"] = max(1, config.resources.cpu // 1000)
     return "# Written by sits-deployer from deploy.yaml; local edits are overwritten.\n" + yaml.safe_dump(
         settings, sort_keys=True
     )

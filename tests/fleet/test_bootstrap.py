@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
+from deployer.agent.settings import AgentSettings
+from deployer.bootstrap import agent_settings
 from deployer.config import load_config
 from deployer.facts import DeviceSite, gather_facts
 from deployer.transport import LocalTransport
@@ -68,3 +73,17 @@ def test_managed_files_carry_the_signature_threshold(tmp_path, tiny_model_dir):
     files = desired_files(config, DeviceSite.of(config, config.fleet.devices[0]), systemd=False)
     assert files[f"{KEYS_DIR}/threshold"] == b"2\n"
     assert files[f"{KEYS_DIR}/second.pub"] == (base / "keys/second.pub").read_bytes()
+
+
+@pytest.mark.parametrize(("cpu", "threads"), [("2", 2), ("1500m", 1), ("250m", 1), (None, None)])
+def test_agent_threads_follow_the_cpu_quota(tmp_path, tiny_model_dir, cpu, threads):
+    base = tmp_path / "project"
+    project = make_project(base, {"1.0.0": tiny_model_dir}, local_devices(base, ("d",), sys.executable))
+    doc = yaml.safe_load(project.config_path.read_text())
+    if cpu is not None:
+        doc["resources"] = {"cpu": cpu}
+    project.config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    config = load_config(project.config_path)
+    settings = yaml.safe_load(agent_settings(config, DeviceSite.of(config, config.fleet.devices[0])))
+    assert settings.get("threads") == threads
+    assert AgentSettings(**settings).threads == threads  # the agent accepts what we write
