@@ -29,6 +29,7 @@ from deployer.build.demo_model import cache_root, prepare_smollm2
 from deployer.build.pipeline import build_artifact
 from deployer.build.spec import BuildRequest, QuantSpec
 from deployer.core.hashing import sha256_file
+from deployer.core.patch_format import read_header as read_patch_header
 from deployer.core.safetensors_io import read_header
 from deployer.delta import create_patch
 
@@ -207,7 +208,10 @@ def ours(base: Path, target: Path, work: Path) -> Result:
     out.mkdir()
     applied = run([sys.executable, "-c", APPLY_OURS, str(patch), str(base), str(out)], 600)
     _same(out / WEIGHTS, target / WEIGHTS)
-    return Result("ours", patch.stat().st_size, create, applied)
+    header, header_len = read_patch_header(patch)
+    coders = "+".join(s.coder.value for s in header.streams) or "no streams"
+    note = f"header {header_len / 1024:.1f} KiB; {coders}"
+    return Result("ours", patch.stat().st_size, create, applied, note=note)
 
 
 def anchor(tool: str, base: Path, target: Path, work: Path, timeout: float) -> Result:

@@ -1,16 +1,24 @@
 """Make a sits patch from two artifact directories (controller side).
 
-Tensor-aware: safetensors and GGUF files are split into their header and their tensors; a tensor whose bytes
-are unchanged becomes a `copy` segment (no payload); a changed tensor is encoded with whichever
-codec comes out smallest (XOR, byte planes of the integer difference, sparse positions + values,
-bsdiff4 for small tensors, plain replacement; all but bsdiff4 entropy-coded with zstd). Tensors
-up to FULL_TRIAL_BYTES are tried with every codec; larger ones pick their codec on an evenly spaced
-sample and are then encoded once. Other files go whole through bsdiff4 (or zstd when larger).
-The format is in docs/patch-format.md; deployer.core.patch_apply is the inverse.
+Tensor-aware: safetensors and GGUF files are split into their header and their tensors. A tensor
+whose bytes are unchanged becomes a `copy` segment (runs of them merge into one); a changed tensor
+is encoded with whichever codec comes out smallest: XOR, byte planes of the zigzagged integer
+difference, gap-coded positions and differences of the changed elements, plain replacement, and
+(when its size changed and it is small) bsdiff4 or zstd with the base as dictionary. Tensors up to
+FULL_TRIAL_BYTES are tried with every codec; larger ones pick their codec on an evenly spaced
+sample. Other files go whole through bsdiff4, zstd with the base as dictionary, or plain
+replacement, whichever is smallest.
+
+The codecs' output goes into at most three solid streams ("lanes"), so hundreds of small changed
+tensors share one entropy coder instead of paying a frame each: segments that feed little data
+(small tensors, sparse changes, configs) go to zstd at a high level; larger differences of one-byte
+elements (int8, packed int4) to bzip2 where it wins; the rest to zstd at a fast level. The format,
+and the rules in full, are in docs/patch-format.md; deployer.core.patch_apply is the inverse.
 """
 
 from __future__ import annotations
 
+import bz2
 import hashlib
 import os
 import struct
@@ -18,9 +26,8 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import BinaryIO
 
 import bsdiff4
 import numpy as np
@@ -28,15 +35,18 @@ import zstandard
 
 from deployer.core.gguf_io import GGUFHeader, read_gguf_header
 from deployer.core.hashing import CHUNK, sha256_file
-from deployer.core.patch_apply import UINT_BY_SIZE, inside
+from deployer.core.patch_apply import UINT_BY_SIZE, inside, zigzag
 from deployer.core.patch_format import (
     BLOCK_BYTES,
+    GAP_ESCAPE,
     MAGIC,
-    MAX_BSDIFF_BYTES,
+    MAX_WHOLE_BYTES,
     Codec,
+    Coder,
     FileRef,
     PatchHeader,
     Segment,
+    Stream,
     TargetFile,
     encode_header,
     list_files,
@@ -44,19 +54,29 @@ from deployer.core.patch_format import (
 from deployer.core.safetensors_io import SafetensorsHeader, read_header
 from deployer.errors import SitsError
 
-# Byte planes are close to their order-0 entropy at low zstd levels; higher ones only add time.
-# Non-tensor segments (safetensors headers, configs, tokenizer) are small: they get SMALL_LEVEL.
+# Byte planes are close to their order-0 entropy at low zstd levels; higher ones only add time,
+# except on small segments (safetensors headers, configs, small tensors), which get SMALL_LEVEL.
 ZSTD_LEVEL = 3
 SMALL_LEVEL = 19
-_ITEM_CODECS = (Codec.PLANES_ZSTD, Codec.XOR_PLANES_ZSTD, Codec.SPARSE_ZSTD)
+# Segments that feed at most this many bytes to their stream (small tensors, sparse changes) go to
+# the SMALL_LEVEL lane.
+SMALL_STREAM_BYTES = 64 * 1024
+# Levels above 19 use windows larger than ZSTD_MAX_WINDOW, which readers refuse.
+MAX_ZSTD_LEVEL = 19
+# Differences of one-byte elements are a few small values: zstd's Huffman stage cannot spend less
+# than a bit on a byte, bzip2's run-length and move-to-front stages can. It is tried on such data
+# when zstd shrinks it at least this many times (and not on floats, where it is slow and no better).
+BZ2_MIN_RATIO = 2
+BZ2_LEVEL = 9
+_ITEM_CODECS = (Codec.PLANES, Codec.XOR_PLANES, Codec.SPARSE)
 FULL_TRIAL_BYTES = 8 * 1024 * 1024
-BSDIFF_TENSOR_BYTES = 64 * 1024
-BSDIFF_SPARSE_BYTES = 1024 * 1024
-BSDIFF_FILE_BYTES = 16 * 1024 * 1024
+WHOLE_TENSOR_BYTES = 64 * 1024
+WHOLE_FILE_BYTES = 16 * 1024 * 1024
 SAMPLE_WINDOWS = 8
 SAMPLE_WINDOW_BYTES = 256 * 1024
-# Sparse costs 4 bytes of position per changed element: past this fraction it cannot win.
-SPARSE_MAX_FRACTION = 0.3
+# Sparse feeds a gap byte besides the value of each changed element: past half of them changed it
+# feeds more than planes does and does not win.
+SPARSE_MAX_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -85,17 +105,33 @@ class _Job:
 
 
 @dataclass(frozen=True)
-class _Options:
-    """How to encode: the zstd level and the codecs allowed."""
+class _Lane:
+    """A payload stream as the writer fills it: its coder and level."""
 
+    coder: Coder
     level: int
-    allowed: frozenset[Codec]
 
 
 @dataclass(frozen=True)
-class _Encoded:
+class _Choice:
+    """How one job is encoded, and the lane of the stream it goes to (None for copy);
+    `blob` keeps a whole (bsdiff, zstd_base) blob."""
+
     codec: Codec
-    blob: bytes
+    lane: _Lane | None
+    blob: bytes = b""
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How to encode: the fast zstd lane and the codecs allowed."""
+
+    fast: _Lane
+    allowed: frozenset[Codec]
+
+
+_STRONG = _Lane(Coder.ZSTD, SMALL_LEVEL)
+_BZ2 = _Lane(Coder.BZ2, BZ2_LEVEL)
 
 
 def create_patch(
@@ -109,8 +145,9 @@ def create_patch(
 ) -> PatchSummary:
     """Write a patch that turns `base_dir` into `target_dir` at `out` (atomically).
 
-    `codecs` limits the codecs tried for changed segments (raw_zstd when none of them applies);
-    for tests and ablations. `level` is the zstd level; `workers` encode tensors in parallel.
+    `codecs` limits the codecs tried for changed segments (raw when none of them applies);
+    for tests and ablations. `level` is the zstd level of large tensors; `workers` choose codecs
+    and fill the payload streams in parallel.
 
     Raises UnsafePathError (symlinks or odd names in a directory), FormatError (a safetensors
     file that lies about its layout) and SitsError (I/O failures).
@@ -119,31 +156,51 @@ def create_patch(
     plans = [
         _plan_file(rel, base_dir if rel in base_files else None, target_dir) for rel in sorted(target_files)
     ]
-    fd, payload_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".payload", dir=out.parent)
-    payload = Path(payload_name)
-    try:
-        with os.fdopen(fd, "wb") as pf, ThreadPoolExecutor(max_workers=workers) as pool:
-            opts = _Options(level, frozenset(codecs) if codecs is not None else frozenset(Codec))
-            targets = [_encode_file(plan, pf, pool, opts) for plan in plans]
-            payload_size = pf.tell()
-        used = {t.path for t in targets if any(s.codec.uses_base for s in t.segments)}
-        base = {
-            rel: FileRef(sha256_file(base_dir / rel), (base_dir / rel).stat().st_size) for rel in sorted(used)
-        }
-        header = PatchHeader(base, tuple(targets), payload_size)
-        digest = _write_patch(out, encode_header(header), payload)
-    finally:
-        payload.unlink(missing_ok=True)
-    codecs = Counter(s.codec.value for t in targets for s in t.segments)
+    opts = _Options(_Lane(Coder.ZSTD, level), frozenset(codecs) if codecs is not None else frozenset(Codec))
+    jobs = [job for plan in plans for job in plan.jobs]
+    with (
+        tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp,
+        ThreadPoolExecutor(max_workers=workers) as pool,
+    ):
+        choices = list(pool.map(lambda j: _choose(j, opts), jobs))
+        lanes = list(dict.fromkeys(c.lane for c in choices if c.lane is not None))
+        paths = [Path(tmp) / f"stream{i}" for i in range(len(lanes))]
+        filled = list(pool.map(lambda i: _fill_stream(paths[i], lanes[i], jobs, choices), range(len(lanes))))
+        segments = [
+            _segment(i, job, choice, lanes, filled)
+            for i, (job, choice) in enumerate(zip(jobs, choices, strict=True))
+        ]
+        targets = _targets(plans, segments)
+        streams = tuple(
+            Stream(lane.coder, f.length, sum(f.sizes.values())) for lane, f in zip(lanes, filled, strict=True)
+        )
+        header = PatchHeader(_base_refs(base_dir, targets), streams, targets)
+        digest = _write_patch(out, encode_header(header), paths)
+    counts = Counter(s.codec.value for t in targets for s in t.segments)
     return PatchSummary(
         out,
         out.stat().st_size,
         digest,
         sum(t.size for t in targets),
         len(targets),
-        sum(codecs.values()),
-        dict(sorted(codecs.items())),
+        sum(counts.values()),
+        dict(sorted(counts.items())),
     )
+
+
+def _targets(plans: list[_FilePlan], segments: list[Segment]) -> tuple[TargetFile, ...]:
+    """Each file's segments (one per job, in job order), with unchanged runs merged."""
+    rest = iter(segments)
+    return tuple(
+        TargetFile(plan.path, plan.sha256, plan.size, _merge_copies([next(rest) for _ in plan.jobs]))
+        for plan in plans
+    )
+
+
+def _base_refs(base_dir: Path, targets: tuple[TargetFile, ...]) -> dict[str, FileRef]:
+    """Hash and size of every base file that some segment reads."""
+    used = sorted({t.path for t in targets if any(s.codec.uses_base for s in t.segments)})
+    return {rel: FileRef(sha256_file(base_dir / rel), (base_dir / rel).stat().st_size) for rel in used}
 
 
 @dataclass(frozen=True)
@@ -204,65 +261,80 @@ def _tensor_jobs(
 
 
 def _gap_job(new: np.ndarray, old: np.ndarray, start: int, end: int, old_data: int) -> _Job:
-    """Header bytes and padding: diffed against the base file's header region."""
-    return _Job("<header>" if start == 0 else "<gap>", new[start:end], old[:old_data], 0, 1, tensor=False)
+    """The header, diffed against the base file's header; padding, against the same bytes of the base
+    (identical when the layout is, so it joins the copies around it)."""
+    if start == 0:
+        return _Job("<header>", new[:end], old[:old_data], 0, 1, tensor=False)
+    return _Job("<gap>", new[start:end], old[start:end] if end <= len(old) else None, start, 1, tensor=False)
 
 
-def _encode_file(plan: _FilePlan, pf: BinaryIO, pool: ThreadPoolExecutor, opts: _Options) -> TargetFile:
-    segments: list[Segment] = []
-    for job, enc in zip(plan.jobs, pool.map(lambda j: _encode_job(j, opts), plan.jobs), strict=True):
-        offset = pf.tell()
-        pf.write(enc.blob)
-        uses_base = enc.codec.uses_base and job.old is not None
-        segments.append(
-            Segment(
-                job.name,
-                enc.codec,
-                len(job.new),
-                job.base_offset if uses_base else 0,
-                len(job.old) if uses_base and job.old is not None else 0,
-                offset,
-                len(enc.blob),
-                job.item_size if enc.codec in _ITEM_CODECS else 1,
-            )
-        )
-    return TargetFile(plan.path, plan.sha256, plan.size, tuple(segments))
-
-
-def _encode_job(job: _Job, opts: _Options) -> _Encoded:
-    """Encode one segment with the smallest codec (see the module docstring)."""
+def _choose(job: _Job, opts: _Options) -> _Choice:
+    """The smallest codec for one job (see the module docstring), and the lane of its stream."""
     old, new = job.old, job.new
     if old is not None and len(old) == len(new) and np.array_equal(old, new):
-        return _Encoded(Codec.COPY, b"")
-    codecs = [c for c in _candidates(job) if c in opts.allowed] or [Codec.RAW_ZSTD]
-    level = opts.level
-    if len(codecs) == 1:
-        return _Encoded(codecs[0], _encode(codecs[0], job, level))
-    if len(new) <= FULL_TRIAL_BYTES:
-        trials = [_Encoded(c, _encode(c, job, level)) for c in codecs]
-        return min(trials, key=lambda e: len(e.blob))
-    sample = _sample(job)
-    best = min(codecs, key=lambda c: len(_encode(c, sample, level)))
-    return _Encoded(best, _encode(best, job, level))
+        return _Choice(Codec.COPY, None)
+    codecs = [c for c in _candidates(job) if c in opts.allowed] or [Codec.RAW]
+    # Whole-piece codecs make their blob now: their jobs are small, so never sampled.
+    blobs = {c: _WHOLE[c](job) for c in codecs if c.whole}
+    best, lane = codecs[0], opts.fast if job.tensor and len(new) > SMALL_STREAM_BYTES else _STRONG
+    if len(codecs) > 1:
+        trial = _sample(job) if job.tensor and len(new) > FULL_TRIAL_BYTES else job
+        # Tensors rank their codecs at the fast level: the order rarely changes, the time does.
+        judge = opts.fast if job.tensor else _STRONG
+        tries = {
+            c: _Trial(len(blobs[c]), len(blobs[c])) if c.whole else _try(trial, c, judge) for c in codecs
+        }
+        best = min(tries, key=lambda c: tries[c].size)
+        volume = tries[best].volume * len(new) // max(len(trial.new), 1)
+        if job.tensor and volume <= SMALL_STREAM_BYTES:
+            lane = _STRONG
+        elif job.tensor and not best.whole and _bz2_wins(best, trial, tries[best]):
+            lane = _BZ2
+    if best.whole:  # compressed already: the fast lane passes it through
+        return _Choice(best, opts.fast, blobs[best])
+    return _Choice(best, lane)
+
+
+@dataclass(frozen=True)
+class _Trial:
+    """A codec tried on a job: its compressed size, and the stream bytes it fed the compressor."""
+
+    size: int
+    volume: int
+
+
+def _bz2_wins(codec: Codec, trial: _Job, zstd: _Trial) -> bool:
+    """Whether bzip2 beats the fast zstd level on differences of one-byte elements."""
+    if trial.item_size != 1 or zstd.volume < BZ2_MIN_RATIO * zstd.size:
+        return False
+    return _try(trial, codec, _BZ2).size < zstd.size
+
+
+def _try(job: _Job, codec: Codec, lane: _Lane) -> _Trial:
+    comp = _compressor(lane, len(job.new))
+    size = volume = 0
+    for chunk in _STREAMS[codec](job):
+        volume += len(chunk)
+        size += len(comp.compress(chunk))
+    return _Trial(size + len(comp.flush()), volume)
 
 
 def _candidates(job: _Job) -> list[Codec]:
     old, new = job.old, job.new
-    codecs = [Codec.RAW_ZSTD]
+    codecs = [Codec.RAW]
     if old is None:
         return codecs
-    size = max(len(old), len(new))
-    sparse = len(old) == len(new) and _changed_fraction(
-        _sample(job) if len(new) > FULL_TRIAL_BYTES else job
-    ) <= (SPARSE_MAX_FRACTION)
-    # bsdiff4's bzip2 stage beats zstd on sparse differences (quantized weights that barely moved).
-    limit = (BSDIFF_SPARSE_BYTES if sparse else BSDIFF_TENSOR_BYTES) if job.tensor else BSDIFF_FILE_BYTES
-    if size <= min(limit, MAX_BSDIFF_BYTES):
-        codecs.append(Codec.BSDIFF)
-    if len(old) == len(new) and job.tensor:
-        codecs += [Codec.XOR_ZSTD, Codec.PLANES_ZSTD, Codec.XOR_PLANES_ZSTD]
-        if sparse:
-            codecs.append(Codec.SPARSE_ZSTD)
+    if job.tensor and len(old) == len(new):
+        # No bsdiff: on bytes that did not move, its diff stage is the planes codec.
+        # Byte planes of one-byte elements are the elements: xor_planes would repeat xor.
+        codecs += [Codec.XOR, Codec.PLANES] + ([Codec.XOR_PLANES] if job.item_size > 1 else [])
+        sample = _sample(job) if len(new) > FULL_TRIAL_BYTES else job
+        if _changed_fraction(sample) <= SPARSE_MAX_FRACTION:
+            codecs.append(Codec.SPARSE)
+    elif max(len(old), len(new)) <= min(
+        WHOLE_TENSOR_BYTES if job.tensor else WHOLE_FILE_BYTES, MAX_WHOLE_BYTES
+    ):
+        codecs += [Codec.BSDIFF, Codec.ZSTD_BASE]
     return codecs
 
 
@@ -283,18 +355,97 @@ def _sample(job: _Job) -> _Job:
     return _Job(job.name, job.new[pick], job.old[pick], 0, job.item_size, job.tensor)
 
 
-def _encode(codec: Codec, job: _Job, level: int) -> bytes:
-    if codec is Codec.BSDIFF:
-        assert job.old is not None
-        return bsdiff4.diff(job.old.tobytes(), job.new.tobytes())
-    return _zstd(_STREAMS[codec](job), level if job.tensor else SMALL_LEVEL)
+def _bsdiff(job: _Job) -> bytes:
+    assert job.old is not None
+    return bsdiff4.diff(job.old.tobytes(), job.new.tobytes())
 
 
-def _zstd(chunks: Iterator[bytes], level: int) -> bytes:
-    comp = zstandard.ZstdCompressor(level=level).compressobj()
-    parts = [comp.compress(c) for c in chunks]
-    parts.append(comp.flush())
-    return b"".join(parts)
+def _zstd_base(job: _Job) -> bytes:
+    """`zstd --patch-from`: one frame, the base range as its dictionary, its size declared."""
+    assert job.old is not None
+    base = zstandard.ZstdCompressionDict(job.old.tobytes(), dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    # A window over base and target lets matches reach back into the whole base range.
+    params = zstandard.ZstdCompressionParameters.from_level(
+        SMALL_LEVEL, source_size=len(job.old) + len(job.new), write_content_size=1
+    )
+    return zstandard.ZstdCompressor(compression_params=params, dict_data=base).compress(job.new.tobytes())
+
+
+_WHOLE: dict[Codec, Callable[[_Job], bytes]] = {Codec.BSDIFF: _bsdiff, Codec.ZSTD_BASE: _zstd_base}
+
+
+def _payload(choice: _Choice, job: _Job) -> Iterator[bytes]:
+    """The bytes a segment reads from its stream."""
+    if choice.codec.whole:
+        yield choice.blob
+    else:
+        yield from _STREAMS[choice.codec](job)
+
+
+def _compressor(lane: _Lane, size: int = 0) -> bz2.BZ2Compressor | zstandard.ZstdCompressionObj:
+    """A compressor for `lane`; `size` (about the input's; 0 when unknown) lets zstd size its
+    tables to small inputs."""
+    if lane.coder is Coder.BZ2:
+        return bz2.BZ2Compressor(lane.level)
+    params = zstandard.ZstdCompressionParameters.from_level(min(lane.level, MAX_ZSTD_LEVEL), source_size=size)
+    return zstandard.ZstdCompressor(compression_params=params).compressobj()
+
+
+@dataclass(frozen=True)
+class _Filled:
+    """A payload stream written to `path`: its compressed length and what each job put in it."""
+
+    path: Path
+    length: int
+    sizes: dict[int, int]
+
+
+def _fill_stream(path: Path, lane: _Lane, jobs: list[_Job], choices: list[_Choice]) -> _Filled:
+    """Compress, in job order, the bytes of every job routed to `lane` into one stream."""
+    comp = _compressor(lane)
+    sizes: dict[int, int] = {}
+    with path.open("wb") as f:
+        for i, (job, choice) in enumerate(zip(jobs, choices, strict=True)):
+            if choice.lane != lane:
+                continue
+            sizes[i] = 0
+            for chunk in _payload(choice, job):
+                sizes[i] += len(chunk)
+                f.write(comp.compress(chunk))
+        f.write(comp.flush())
+        return _Filled(path, f.tell(), sizes)
+
+
+def _segment(i: int, job: _Job, choice: _Choice, lanes: list[_Lane], filled: list[_Filled]) -> Segment:
+    uses_base = choice.codec.uses_base and job.old is not None
+    stream = lanes.index(choice.lane) if choice.lane is not None else None
+    return Segment(
+        job.name,
+        choice.codec,
+        len(job.new),
+        job.base_offset if uses_base else 0,
+        len(job.old) if uses_base and job.old is not None else 0,
+        job.item_size if choice.codec in _ITEM_CODECS else 1,
+        stream,
+        filled[stream].sizes[i] if stream is not None else 0,
+    )
+
+
+def _merge_copies(segments: list[Segment]) -> tuple[Segment, ...]:
+    """Adjacent copies of adjacent base ranges become one copy: unchanged runs cost one entry."""
+    merged: list[Segment] = []
+    for seg in segments:
+        prev = merged[-1] if merged else None
+        if (
+            prev is not None
+            and prev.codec is seg.codec is Codec.COPY
+            and prev.base_offset + prev.base_length == seg.base_offset
+        ):
+            length = prev.length + seg.length
+            merged[-1] = replace(prev, name="<copy>", length=length, base_length=length)
+        else:
+            merged.append(seg)
+    return tuple(merged)
 
 
 def _blocks(job: _Job) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -314,10 +465,11 @@ def _xor_stream(job: _Job) -> Iterator[bytes]:
 
 
 def _planes_stream(job: _Job) -> Iterator[bytes]:
-    kind = UINT_BY_SIZE[job.item_size]
+    k = job.item_size
+    kind = UINT_BY_SIZE[k]
     for old, new in _blocks(job):
         diff = np.asarray(new).view(kind) - np.asarray(old).view(kind)
-        yield _planes(diff.view(np.uint8), job.item_size)
+        yield _planes(zigzag(diff, k).view(np.uint8), k)
 
 
 def _xor_planes_stream(job: _Job) -> Iterator[bytes]:
@@ -332,38 +484,49 @@ def _planes(data: np.ndarray, k: int) -> bytes:
 
 def _sparse_stream(job: _Job) -> Iterator[bytes]:
     k = job.item_size
+    kind = UINT_BY_SIZE[k]
     for old, new in _blocks(job):
-        old_items, new_items = old.reshape(-1, k), new.reshape(-1, k)
-        positions = np.flatnonzero(np.any(old_items != new_items, axis=1))
-        yield struct.pack("<I", len(positions))
-        yield positions.astype("<u4").tobytes()
-        yield new_items[positions].tobytes()
+        old_items, new_items = np.asarray(old).view(kind), np.asarray(new).view(kind)
+        positions = np.flatnonzero(old_items != new_items)
+        codes = _gap_codes(np.diff(positions, prepend=-1) - 1)
+        yield struct.pack("<II", len(positions), len(codes))
+        yield codes.tobytes()
+        yield _planes(zigzag(new_items[positions] - old_items[positions], k).view(np.uint8), k)
+
+
+def _gap_codes(gaps: np.ndarray) -> np.ndarray:
+    """Each gap g as g // 255 escape bytes (255) and a final byte g % 255: small gaps, one byte."""
+    escapes = gaps // GAP_ESCAPE
+    codes = np.full(int(escapes.sum()) + len(gaps), GAP_ESCAPE, dtype=np.uint8)
+    codes[np.cumsum(escapes + 1) - 1] = gaps % GAP_ESCAPE
+    return codes
 
 
 _STREAMS: dict[Codec, Callable[[_Job], Iterator[bytes]]] = {
-    Codec.RAW_ZSTD: _raw_stream,
-    Codec.XOR_ZSTD: _xor_stream,
-    Codec.PLANES_ZSTD: _planes_stream,
-    Codec.XOR_PLANES_ZSTD: _xor_planes_stream,
-    Codec.SPARSE_ZSTD: _sparse_stream,
+    Codec.RAW: _raw_stream,
+    Codec.XOR: _xor_stream,
+    Codec.PLANES: _planes_stream,
+    Codec.XOR_PLANES: _xor_planes_stream,
+    Codec.SPARSE: _sparse_stream,
 }
 
 
-def _write_patch(out: Path, header: bytes, payload: Path) -> str:
-    """Prefix, header, payload and trailing sha256 into a temp file, then rename. Returns the sha."""
+def _write_patch(out: Path, header: bytes, streams: list[Path]) -> str:
+    """Prefix, header, the streams and the trailing sha256 into a temp file, then rename. Returns the sha."""
     digest = hashlib.sha256()
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as f, payload.open("rb") as pf:
+        with os.fdopen(fd, "wb") as f:
             for part in (MAGIC, struct.pack("<Q", len(header)), header):
                 digest.update(part)
                 f.write(part)
-            while chunk := pf.read(CHUNK):
-                digest.update(chunk)
-                f.write(chunk)
-            trailer = digest.digest()
-            f.write(trailer)
+            for path in streams:
+                with path.open("rb") as sf:
+                    while chunk := sf.read(CHUNK):
+                        digest.update(chunk)
+                        f.write(chunk)
+            f.write(digest.digest())
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(out)
@@ -371,4 +534,4 @@ def _write_patch(out: Path, header: bytes, payload: Path) -> str:
         raise SitsError(f"{out}: cannot write the patch: {exc.strerror or exc}") from exc
     finally:
         tmp.unlink(missing_ok=True)
-    return sha256_file(out)
+    return digest.hexdigest()

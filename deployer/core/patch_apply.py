@@ -2,8 +2,10 @@
 
 Order: header validated (patch_format) -> whole-patch checksum -> every base file's size and sha256
 -> each target file rebuilt block by block into a temp file, fsynced, its sha256 compared with the
-header's, then renamed into place. Memory stays at a few BLOCK_BYTES blocks (bsdiff segments, which
-the header caps, are decoded whole). On any failure every file this call wrote is removed.
+header's, then renamed into place -> every payload stream read to its exact end. The payload streams
+are decoded side by side, each segment taking its bytes from its own stream. Memory stays at a few
+BLOCK_BYTES blocks plus one decoder per stream (bsdiff and zstd_base segments, which the header
+caps, are decoded whole). On any failure every file this call wrote is removed.
 Only the standard library, numpy, zstandard and bsdiff4 are used: the device agent imports this.
 """
 
@@ -28,10 +30,15 @@ import zstandard
 from deployer.core.hashing import CHUNK, sha256_file
 from deployer.core.patch_format import (
     BLOCK_BYTES,
+    GAP_ESCAPE,
+    SPARSE_BLOCK_PREFIX,
     TRAILER_BYTES,
+    ZSTD_MAX_WINDOW,
     Codec,
+    Coder,
     PatchHeader,
     Segment,
+    Stream,
     TargetFile,
     payload_start,
     read_header,
@@ -44,8 +51,9 @@ from deployer.errors import (
     UnsafePathError,
 )
 
-# Little-endian unsigned integers of each item size: safetensors data is little-endian.
+# Little-endian integers of each item size: safetensors data is little-endian.
 UINT_BY_SIZE = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+_INT_BY_SIZE = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}
 
 
 @dataclass(frozen=True)
@@ -79,10 +87,10 @@ def apply_patch(patch: Path, base_dir: Path, out_dir: Path) -> AppliedPatch:
     written: list[Path] = []
     try:
         with patch.open("rb") as pf:
-            files = tuple(
-                _write_target(t, pf, payload_start(header_len), base_dir, out_dir, written)
-                for t in header.targets
-            )
+            streams = _open_streams(header, pf, payload_start(header_len), str(patch))
+            files = tuple(_write_target(t, streams, base_dir, out_dir, written) for t in header.targets)
+            for stream in streams:
+                stream.check_end()
     except BaseException:
         for path in written:
             path.unlink(missing_ok=True)
@@ -156,10 +164,23 @@ def _check_dir(path: Path, what: str) -> None:
         raise UnsafePathError(f"{path}: {what} is a symlink or not a directory")
 
 
+def zigzag(diff: np.ndarray, k: int) -> np.ndarray:
+    """Unsigned k-byte differences as zigzag codes: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ...
+
+    Small differences of either sign become small numbers, so their high byte planes are zero.
+    """
+    signed = diff.view(_INT_BY_SIZE[k])
+    return ((signed << 1) ^ (signed >> (8 * k - 1))).view(UINT_BY_SIZE[k])
+
+
+def unzigzag(codes: np.ndarray, k: int) -> np.ndarray:
+    """The inverse of zigzag: k-byte zigzag codes back to unsigned differences."""
+    return (codes >> 1) ^ (-(codes & 1).view(_INT_BY_SIZE[k])).view(UINT_BY_SIZE[k])
+
+
 def _write_target(
     target: TargetFile,
-    pf: BinaryIO,
-    payload_at: int,
+    streams: list[_StreamReader],
     base_dir: Path,
     out_dir: Path,
     written: list[Path],
@@ -171,7 +192,7 @@ def _write_target(
     digest = hashlib.sha256()
     with os.fdopen(fd, "wb") as out, _open_base(base_dir, target) as base:
         for seg in target.segments:
-            for block in _decode_segment(seg, pf, payload_at, base, target.path):
+            for block in _decode_segment(seg, streams, base, target.path):
                 digest.update(block)
                 out.write(block)
         out.flush()
@@ -211,60 +232,78 @@ def _open_base(base_dir: Path, target: TargetFile) -> Iterator[BinaryIO | None]:
 
 
 def _decode_segment(
-    seg: Segment, pf: BinaryIO, payload_at: int, base: BinaryIO | None, where: str
+    seg: Segment, streams: list[_StreamReader], base: BinaryIO | None, where: str
 ) -> Iterator[bytes]:
     at = f"{where} [{seg.name}]"
-    blob = _Region(pf, payload_at + seg.blob_offset, seg.blob_length)
-    if seg.codec is Codec.BSDIFF:
-        yield _bsdiff_apply(_read_base(base, seg.base_offset, seg.base_length), blob, seg, at)
-        return
-    stream = None
-    if seg.codec is not Codec.COPY:
-        stream = zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True)
-    for start in range(0, seg.length, BLOCK_BYTES):
-        n = min(BLOCK_BYTES, seg.length - start)
-        old = _read_base(base, seg.base_offset + start, n) if seg.codec.uses_base else b""
-        yield _decode_block(seg, old, stream, n, at)
-    if stream is not None and _read_exact(stream, 1, at, allow_short=True):
-        raise FormatError(f"{at}: payload decodes to more bytes than the segment holds")
-
-
-def _decode_block(seg: Segment, old: bytes, stream: BinaryIO | None, n: int, at: str) -> bytes:
     if seg.codec is Codec.COPY:
-        return old
-    assert stream is not None
-    if seg.codec is Codec.RAW_ZSTD:
-        return _read_exact(stream, n, at)
-    if seg.codec is Codec.XOR_ZSTD:
-        return np.bitwise_xor(_u8(old), _u8(_read_exact(stream, n, at))).tobytes()
-    if seg.codec is Codec.SPARSE_ZSTD:
-        return _sparse_block(seg.item_size, old, stream, at)
+        for start in range(0, seg.length, BLOCK_BYTES):
+            yield _read_base(base, seg.base_offset + start, min(BLOCK_BYTES, seg.length - start))
+        return
+    assert seg.stream is not None
+    data = _Limited(streams[seg.stream], seg.stream_bytes, at)
+    if seg.codec.whole:
+        old = _read_base(base, seg.base_offset, seg.base_length)
+        apply = _bsdiff_apply if seg.codec is Codec.BSDIFF else _zstd_base_apply
+        yield apply(old, data.read_exact(seg.stream_bytes), seg, at)
+    else:
+        for start in range(0, seg.length, BLOCK_BYTES):
+            n = min(BLOCK_BYTES, seg.length - start)
+            old = _read_base(base, seg.base_offset + start, n) if seg.codec.uses_base else b""
+            yield _decode_block(seg, old, data, n, at)
+    if data.left:
+        raise FormatError(
+            f"{at}: the segment leaves {data.left} of its {seg.stream_bytes} stream bytes unread"
+        )
+
+
+def _decode_block(seg: Segment, old: bytes, data: _Limited, n: int, at: str) -> bytes:
+    if seg.codec is Codec.RAW:
+        return data.read_exact(n)
+    if seg.codec is Codec.XOR:
+        return np.bitwise_xor(_u8(old), _u8(data.read_exact(n))).tobytes()
+    if seg.codec is Codec.SPARSE:
+        return _sparse_block(seg.item_size, old, data, at)
     k = seg.item_size
     # Byte plane j holds byte j of every element: undo the split, then undo the difference.
-    joined = np.ascontiguousarray(_u8(_read_exact(stream, n, at)).reshape(k, n // k).T)
-    if seg.codec is Codec.XOR_PLANES_ZSTD:
+    joined = np.ascontiguousarray(_u8(data.read_exact(n)).reshape(k, n // k).T)
+    if seg.codec is Codec.XOR_PLANES:
         return np.bitwise_xor(_u8(old), joined.reshape(-1)).tobytes()
     kind = UINT_BY_SIZE[k]
-    return (np.frombuffer(old, dtype=kind) + joined.view(kind).reshape(-1)).tobytes()
+    return (np.frombuffer(old, dtype=kind) + unzigzag(joined.view(kind).reshape(-1), k)).tobytes()
 
 
-def _sparse_block(k: int, old: bytes, stream: BinaryIO, at: str) -> bytes:
+def _sparse_block(k: int, old: bytes, data: _Limited, at: str) -> bytes:
     items = len(old) // k
-    (count,) = struct.unpack("<I", _read_exact(stream, 4, at))
-    if count > items:
-        raise FormatError(f"{at}: sparse block claims {count} changes in {items} elements")
-    positions = np.frombuffer(_read_exact(stream, 4 * count, at), dtype="<u4")
-    values = _u8(_read_exact(stream, k * count, at)).reshape(count, k)
-    if count and (positions[-1] >= items or np.any(np.diff(positions.astype(np.int64)) <= 0)):
-        raise FormatError(f"{at}: sparse positions are out of range or not increasing")
-    out = _u8(old).copy().reshape(items, k)
-    out[positions] = values
+    count, gap_len = struct.unpack("<II", data.read_exact(SPARSE_BLOCK_PREFIX))
+    if count > items or gap_len > count + items // GAP_ESCAPE:
+        raise FormatError(
+            f"{at}: sparse block claims {count} changes in {items} elements ({gap_len} gap bytes)"
+        )
+    positions = sparse_positions(_u8(data.read_exact(gap_len)), count, items, at)
+    kind = UINT_BY_SIZE[k]
+    diff = np.ascontiguousarray(_u8(data.read_exact(k * count)).reshape(k, count).T).view(kind).reshape(-1)
+    out = np.frombuffer(old, dtype=kind).copy()
+    out[positions] += unzigzag(diff, k)
     return out.tobytes()
 
 
-def _bsdiff_apply(old: bytes, blob: _Region, seg: Segment, at: str) -> bytes:
+def sparse_positions(codes: np.ndarray, count: int, items: int, at: str) -> np.ndarray:
+    """Element positions from gap codes: per change, GAP_ESCAPE bytes (255 each) then a byte below it.
+
+    Raises FormatError unless there are exactly `count` gaps and every position is below `items`.
+    """
+    ends = np.flatnonzero(codes < GAP_ESCAPE)
+    if len(ends) != count or (len(codes) and codes[-1] == GAP_ESCAPE):
+        raise FormatError(f"{at}: sparse gap codes do not make {count} positions")
+    # A position is every gap before it plus one per earlier change.
+    positions = np.cumsum(codes, dtype=np.int64)[ends] + np.arange(count)
+    if count and positions[-1] >= items:
+        raise FormatError(f"{at}: sparse position {positions[-1]} is past the block's {items} elements")
+    return positions
+
+
+def _bsdiff_apply(old: bytes, raw: bytes, seg: Segment, at: str) -> bytes:
     """bsdiff4's patch, with every length checked before anything is decompressed or allocated."""
-    raw = _read_exact(blob, seg.blob_length, at)
     if len(raw) < 32 or raw[:8] != b"BSDIFF40":
         raise FormatError(f"{at}: bsdiff payload has no BSDIFF40 header")
     len_control, len_diff, len_dst = (bsdiff4.core.decode_int64(raw[i : i + 8]) for i in (8, 16, 24))
@@ -280,6 +319,19 @@ def _bsdiff_apply(old: bytes, blob: _Region, seg: Segment, at: str) -> bytes:
         return bsdiff4.core.patch(old, len_dst, control, diff, extra)
     except (ValueError, MemoryError) as exc:
         raise FormatError(f"{at}: bsdiff payload does not apply ({exc})") from exc
+
+
+def _zstd_base_apply(old: bytes, raw: bytes, seg: Segment, at: str) -> bytes:
+    """One zstd frame whose dictionary is the base range; its declared size is checked first."""
+    try:
+        declared = zstandard.get_frame_parameters(raw).content_size
+        if declared != seg.length:
+            raise FormatError(f"{at}: zstd_base frame declares {declared} bytes, the segment {seg.length}")
+        base = zstandard.ZstdCompressionDict(old, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+        dec = zstandard.ZstdDecompressor(dict_data=base, max_window_size=ZSTD_MAX_WINDOW)
+        return dec.decompress(raw, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{at}: zstd_base payload does not decode ({exc})") from exc
 
 
 def _bunzip(data: bytes, limit: int, at: str) -> bytes:
@@ -302,29 +354,12 @@ def _read_base(base: BinaryIO | None, offset: int, n: int) -> bytes:
     return data
 
 
-def _read_exact(stream: BinaryIO, n: int, at: str, *, allow_short: bool = False) -> bytes:
-    parts: list[bytes] = []
-    got = 0
-    try:
-        while got < n:
-            chunk = stream.read(n - got)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-    except zstandard.ZstdError as exc:
-        raise FormatError(f"{at}: payload is not valid zstd ({exc})") from exc
-    if got < n and not allow_short:
-        raise FormatError(f"{at}: payload decodes to fewer bytes than the segment holds")
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 def _u8(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
 class _Region:
-    """A read-only window [start, start+length) of an open file, for the zstd stream reader."""
+    """A read-only window [start, start+length) of an open file, for a stream decoder."""
 
     def __init__(self, f: BinaryIO, start: int, length: int) -> None:
         self._f, self._pos, self._end = f, start, start + length
@@ -338,4 +373,77 @@ class _Region:
         self._f.seek(self._pos)
         data = self._f.read(n)
         self._pos += len(data)
+        return data
+
+
+class _StreamReader:
+    """One payload stream, decoded as segments ask for it; errors become FormatError."""
+
+    def __init__(self, stream: Stream, region: _Region, at: str) -> None:
+        self.at = at
+        self._region = region
+        self._bz2 = bz2.BZ2Decompressor() if stream.coder is Coder.BZ2 else None
+        self._zstd = (
+            zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
+                region, read_across_frames=True
+            )
+            if stream.coder is Coder.ZSTD
+            else None
+        )
+
+    def read(self, n: int) -> bytes:
+        """Up to `n` decoded bytes; fewer only at the end of the stream."""
+        parts: list[bytes] = []
+        got = 0
+        try:
+            while got < n and (chunk := self._read(n - got)):
+                parts.append(chunk)
+                got += len(chunk)
+        except (zstandard.ZstdError, OSError, EOFError) as exc:
+            raise FormatError(f"{self.at}: payload stream is not valid ({exc})") from exc
+        return b"".join(parts)
+
+    def check_end(self) -> None:
+        """Every segment is done: the stream must end here, with nothing after it (bytes after a
+        zstd stream's last frame are read as another frame, so they fail or decode to more)."""
+        if self.read(1):
+            raise FormatError(f"{self.at}: payload stream holds more than its segments read")
+        if self._bz2 is not None and (self._bz2.unused_data or self._region.read(1)):
+            raise FormatError(f"{self.at}: payload stream has bytes after its end")
+
+    def _read(self, n: int) -> bytes:
+        if self._zstd is not None:
+            return self._zstd.read(n)
+        assert self._bz2 is not None
+        # Feed input only when the decoder asks: its output stays bounded by n.
+        while not self._bz2.eof:
+            data = self._region.read(CHUNK) if self._bz2.needs_input else b""
+            if self._bz2.needs_input and not data:
+                raise EOFError("the bzip2 stream is truncated")
+            if out := self._bz2.decompress(data, max_length=n):
+                return out
+        return b""
+
+
+def _open_streams(header: PatchHeader, pf: BinaryIO, payload_at: int, where: str) -> list[_StreamReader]:
+    return [
+        _StreamReader(s, _Region(pf, payload_at + header.stream_offset(i), s.length), f"{where} stream {i}")
+        for i, s in enumerate(header.streams)
+    ]
+
+
+class _Limited:
+    """The next `left` bytes of a stream: what one segment may read, and must read entirely."""
+
+    def __init__(self, stream: _StreamReader, left: int, at: str) -> None:
+        self._stream, self.left, self._at = stream, left, at
+
+    def read_exact(self, n: int) -> bytes:
+        """Exactly `n` bytes. Raises FormatError past the segment's share or the stream's end."""
+        if n > self.left:
+            raise FormatError(f"{self._at}: the segment reads past its {self.left} remaining stream bytes")
+        data = self._stream.read(n)
+        if len(data) != n:
+            raise FormatError(f"{self._at}: payload stream ends before the segment does")
+        self.left -= n
         return data

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import bz2
+import hashlib
+import json
 import shutil
+import struct
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
+import zstandard
 from cryptography.hazmat.primitives.asymmetric import ec
 from safetensors.torch import load_file, save_file
 
 from deployer.build.pipeline import build_artifact
 from deployer.build.spec import BuildRequest, QuantSpec
+from deployer.core.canonical import canonical_json
 from deployer.core.hashing import sha256_file
+from deployer.core.patch_format import MAGIC, PREFIX_BYTES, TRAILER_BYTES
 from deployer.core.release import Envelope, PatchRef, make_release
 from deployer.core.verify import TrustedKeys, key_id
 from deployer.sign import add_signature, envelope_for
@@ -95,3 +103,65 @@ def tree(root: Path) -> dict[str, bytes]:
         for p in sorted(root.rglob("*"))
         if p.is_file() and not p.is_symlink()
     }
+
+
+def split_patch(patch: Path) -> tuple[dict[str, Any], list[bytes]]:
+    """A patch's header as a JSON document, and its payload streams as stored (compressed)."""
+    data = patch.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[len(MAGIC) : PREFIX_BYTES])
+    header = json.loads(
+        zstandard.ZstdDecompressor().decompress(data[PREFIX_BYTES : PREFIX_BYTES + header_len])
+    )
+    payload, streams = data[PREFIX_BYTES + header_len : -TRAILER_BYTES], []
+    for spec in header["streams"]:
+        streams.append(payload[: spec["length"]])
+        payload = payload[spec["length"] :]
+    return header, streams
+
+
+def forge_patch(
+    path: Path,
+    header: dict[str, Any],
+    streams: list[bytes],
+    *,
+    header_len: int | None = None,
+    magic: bytes = MAGIC,
+    raw_header: bytes | None = None,
+) -> Path:
+    """A patch of any header and streams, with a correct checksum: only their lies are left to catch.
+
+    `header_len`, `magic` and `raw_header` (the compressed header) replace what would be written.
+    """
+    if raw_header is None:
+        raw_header = zstandard.ZstdCompressor().compress(canonical_json(header))
+    length = len(raw_header) if header_len is None else header_len
+    body = magic + struct.pack("<Q", length) + raw_header + b"".join(streams)
+    path.write_bytes(body + hashlib.sha256(body).digest())
+    return path
+
+
+def decode_stream(coder: str, raw: bytes) -> bytes:
+    """A whole payload stream, decompressed."""
+    if coder == "bz2":
+        return bz2.decompress(raw)
+    with zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True) as reader:
+        return reader.read()
+
+
+def encode_stream(coder: str, data: bytes) -> bytes:
+    """`data` compressed as a payload stream of `coder`."""
+    return bz2.compress(data) if coder == "bz2" else zstandard.ZstdCompressor().compress(data)
+
+
+def stream_range(header: dict[str, Any], path: str, index: int) -> tuple[int, int, int]:
+    """(stream, start, end) of the decoded stream bytes that segment `index` of file `path` reads."""
+    used = [0] * len(header["streams"])
+    for target in header["targets"]:
+        for i, seg in enumerate(target["segments"]):
+            if seg["stream"] is None:
+                continue
+            if target["path"] == path and i == index:
+                start = used[seg["stream"]]
+                return seg["stream"], start, start + seg["stream_bytes"]
+            used[seg["stream"]] += seg["stream_bytes"]
+    raise KeyError(f"{path} has no segment {index} that reads a stream")
