@@ -147,13 +147,13 @@ class Devices:
             transport.close()
 
 
-def _prepare(site: DeviceSite, transport: SshTransport, wheel: Path, key: Path, v1: ReleaseFiles) -> None:
+def _prepare(
+    site: DeviceSite, transport: SshTransport, wheel: Path, key: Path, settings: Path, v1: ReleaseFiles
+) -> None:
     """The agent, its settings and trusted key, and v1 installed: the state every round starts from."""
     transport.run(f"rm -rf /var/lib/sits {INCOMING} /etc/sits", timeout=60).check("clean")
     install_agent(site, transport, wheel)
     transport.put(key, f"{KEYS_DIR}/bench.pub")
-    settings = Path(tempfile.mkstemp(suffix=".yaml")[1])
-    settings.write_text("root: /\n")
     transport.put(settings, AGENT_CONFIG)
     _rollout(site, transport, v1)
 
@@ -213,13 +213,15 @@ def main() -> None:
         releases = Releases(work, _sources(work, args.model))
         v1 = releases.release(releases.v1)
         wheel = build_wheel(REPO, work / "wheel")
+        settings = work / "agent.yaml"  # every field has a default; the devices' root is /
+        settings.write_text("root: /\n")
         lab = Lab(work / "lab", max(args.devices))
         lab.up(ttl_s=3600, owner_pid=os.getpid())
         try:
             with lab.enter_hub():
                 devices = Devices.connect(lab, max(args.devices))
                 started = time.monotonic()
-                devices.each(lambda s, t: _prepare(s, t, wheel, releases.public_key, v1))
+                devices.each(lambda s, t: _prepare(s, t, wheel, releases.public_key, settings, v1))
                 console.print(f"set-up of {max(args.devices)} devices: {time.monotonic() - started:.0f} s")
                 for count in args.devices:
                     subset = devices.first(count)
