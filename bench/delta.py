@@ -31,7 +31,7 @@ from deployer.build.spec import BuildRequest, QuantSpec
 from deployer.core.hashing import sha256_file
 from deployer.core.patch_format import read_header as read_patch_header
 from deployer.core.safetensors_io import read_header
-from deployer.delta import create_patch
+from deployer.release.delta import create_patch
 
 VARIANTS = ("finetune", "lora", "lastlayers")
 SCHEMES = {

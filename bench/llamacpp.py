@@ -117,7 +117,7 @@ def child_in_process(gguf_dir: Path, threads: int, tokens: int, repeats: int) ->
 def child_server(engine: str, artifact_dir: Path, threads: int) -> None:
     """An agent on 127.0.0.1 serving the artifact; prints its port, serves until stdin closes."""
     from deployer.agent.engines import make_engine
-    from deployer.agent.server import AgentServer
+    from deployer.agent.http.server import AgentServer
     from deployer.agent.settings import AgentSettings
 
     # A generous smoke budget: a busy CI machine must not turn the bench into a load failure.

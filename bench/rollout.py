@@ -37,16 +37,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # ruff: noqa: E402 - imports after the path set-up above
-from deployer.bootstrap import INCOMING, build_wheel, install_agent, install_args, send_release
 from deployer.build.demo_model import make_smollm2_variant, make_tiny_checkpoint, prepare_smollm2
 from deployer.build.pipeline import build_artifact
 from deployer.build.spec import BuildRequest, QuantSpec
 from deployer.core.hashing import sha256_file
 from deployer.core.release import PatchRef, make_release
-from deployer.delta import create_patch
-from deployer.desired import ReleaseFiles
-from deployer.facts import AGENT_CONFIG, KEYS_DIR, VENV_PYTHON, DeviceSite
-from deployer.sign import add_signature, envelope_for, generate_key, load_private_key
+from deployer.push.bootstrap import INCOMING, build_wheel, install_agent, install_args, send_release
+from deployer.push.facts import AGENT_CONFIG, KEYS_DIR, VENV_PYTHON, DeviceSite
+from deployer.release.delta import create_patch
+from deployer.release.desired import ReleaseFiles
+from deployer.release.sign import add_signature, envelope_for, generate_key, load_private_key
 from deployer.transport import run_bounded
 from deployer.transport.ssh import SshOptions, SshTransport
 from tests.lab.lab import Lab

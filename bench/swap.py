@@ -43,7 +43,7 @@ from deployer.agent.store import DeviceStore  # noqa: E402 - after the path set-
 
 SERVE = (
     "import sys; from pathlib import Path; from deployer.agent.settings import load_settings; "
-    "from deployer.agent.server import run_server; run_server(load_settings(Path(sys.argv[1])))"
+    "from deployer.agent.http.server import run_server; run_server(load_settings(Path(sys.argv[1])))"
 )
 PROMPT = [{"role": "user", "content": "Name one advantage of running language models on edge devices."}]
 

@@ -22,8 +22,7 @@ from deployer import __version__
 from deployer.agent.settings import DEFAULT_SETTINGS_PATH, AgentSettings, load_settings
 from deployer.agent.store import DeviceStore
 from deployer.agent.updater import Reloader, ReloadOutcome, Updater
-from deployer.cli.common import debug, emit_json, examples, info, output_option
-from deployer.cli.main import report_error
+from deployer.core.clikit import emit_json, examples, output_option, plain_error, verbosity
 from deployer.errors import AgentError, SitsError
 
 __all__ = ["cli", "http_reloader", "main"]
@@ -39,7 +38,7 @@ class _AgentGroup(click.Group):
         try:
             return super().invoke(ctx)
         except SitsError as exc:
-            report_error(exc)
+            plain_error(exc)
             ctx.exit(exc.exit_code)
 
 
@@ -87,6 +86,18 @@ def device_options(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def info(message: str) -> None:
+    """A status line on stderr unless --quiet."""
+    if verbosity() >= 0:
+        click.echo(message, err=True)
+
+
+def debug(message: str) -> None:
+    """A detail line on stderr only with -v."""
+    if verbosity() >= 1:
+        click.echo(message, err=True)
+
+
 def _updater(settings: AgentSettings, *, reload: bool = True) -> Updater:
     return Updater(
         DeviceStore(settings.root),
@@ -103,7 +114,7 @@ def serve(settings: AgentSettings) -> None:
     Cleans up after an interrupted install first. Exits non-zero when the current version fails
     to load, so systemd's OnFailure= unit can roll back.
     """
-    from deployer.agent.server import run_server  # torch and the engine load only here
+    from deployer.agent.http.server import run_server  # torch and the engine load only here
 
     _updater(settings, reload=False).start_up()
     run_server(settings)

@@ -41,6 +41,7 @@ from tuf.ngclient import UpdaterConfig
 from deployer.agent.pull_fetch import PullFetcher
 from deployer.agent.store import DeviceStore, utc_now
 from deployer.agent.updater import InstallResult, Updater
+from deployer.core.fsutil import atomic_write
 from deployer.core.patch_format import check_relative_path
 from deployer.core.release import read_envelope
 from deployer.errors import (
@@ -305,10 +306,8 @@ class Poller:
 
     def _write_state(self, state: PollState) -> None:
         self.base.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
         try:
-            tmp.write_text(state.model_dump_json(indent=2) + "\n")
-            tmp.replace(self.state_path)
+            atomic_write(self.state_path, state.model_dump_json(indent=2) + "\n")
         except OSError as exc:
             raise AgentError(f"{self.state_path}: cannot write: {exc.strerror or exc}") from exc
 

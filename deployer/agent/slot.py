@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from deployer.agent.admission import QueueTimeout
 from deployer.agent.engines.base import Engine, EngineInfo, SamplingParams, TokenEvent
+from deployer.agent.http.admission import QueueTimeout
 from deployer.agent.notify import lifecycle_event
 
 __all__ = ["FairLock", "LockedStream", "ModelSlot"]

@@ -32,6 +32,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from deployer.core.fsutil import TEMP_MARK, atomic_write, fsync_dir, fsync_file
 from deployer.core.release import Release
 from deployer.errors import AgentError, UnsafePathError
 
@@ -51,7 +52,6 @@ __all__ = [
 HISTORY_LIMIT = 200
 Pointer = Literal["current", "previous"]
 _VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
-_TEMP_MARK = ".tmp-"
 
 
 def utc_now() -> str:
@@ -246,20 +246,13 @@ class DeviceStore:
         """Replace state.json atomically: temp file, fsync, rename, fsync the directory."""
         self.ensure_layout()
         data = state.model_dump_json(indent=2).encode() + b"\n"
-        fd, tmp = tempfile.mkstemp(dir=self.base, prefix=f"state.json{_TEMP_MARK}")
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            Path(tmp).replace(self.state_path)
+            atomic_write(self.state_path, data)
         except OSError as exc:
-            Path(tmp).unlink(missing_ok=True)
             raise AgentError(
                 f"{self.state_path}: cannot write: {exc.strerror or exc}",
                 hint="free disk space under the store's root, then retry",
             ) from exc
-        fsync_dir(self.base)
 
     def new_staging_dir(self, label: str) -> Path:
         """A fresh empty directory under staging/ for one operation's output."""
@@ -281,7 +274,7 @@ class DeviceStore:
         for path in sorted(staged.rglob("*")):
             if path.is_file():
                 path.chmod(0o444)
-                _fsync_file(path)
+                fsync_file(path)
         fsync_dir(staged)
         staged.rename(target)
         fsync_dir(self.versions_dir)
@@ -296,7 +289,7 @@ class DeviceStore:
         else:
             if not self.version_dir(version).is_dir():
                 raise AgentError(f"{self.version_dir(version)}: no such version to point {name} at")
-            tmp = self.base / f".{name}{_TEMP_MARK}{os.getpid()}"
+            tmp = self.base / f".{name}{TEMP_MARK}{os.getpid()}"
             tmp.unlink(missing_ok=True)
             tmp.symlink_to(f"versions/{version}")
             tmp.replace(link)
@@ -381,7 +374,7 @@ class DeviceStore:
         for entry in self.staging_dir.iterdir():
             _remove_tree(entry)
         for entry in self.base.iterdir():
-            if _TEMP_MARK in entry.name:
+            if TEMP_MARK in entry.name:
                 entry.unlink(missing_ok=True)
                 removed.append(entry.name)
         return RecoveryReport(tuple(sorted(removed)), self._finish_pending())
@@ -399,23 +392,6 @@ class DeviceStore:
         note = f"{change.event.reason} (finished by recovery after an interruption)".strip()
         self.switch(change.model_copy(update={"event": change.event.model_copy(update={"reason": note})}))
         return change
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so that renames and new entries in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_tree(path: Path) -> None:

@@ -16,7 +16,6 @@ files keep it. (The K-quants are not offered: the gguf package cannot quantize t
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from deployer.build.progress import BuildProgress, SilentProgress
 from deployer.build.quantize import is_head_or_embedding, module_scheme
 from deployer.build.source import SourceModel, iter_tensors
 from deployer.build.spec import GGUF_INT4_TYPES, QuantSpec
+from deployer.core.fsutil import read_json_object
 from deployer.core.gguf_io import GGUF_FILE, read_gguf_header
 from deployer.errors import BuildError, SourceModelError
 
@@ -306,13 +306,7 @@ def _token_text(value: object) -> str | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SourceModelError(f"{path}: not readable JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise SourceModelError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, SourceModelError)
 
 
 def load_gguf_state(path: Path, plans: list[GGUFTensorPlan]) -> dict[str, torch.Tensor]:

@@ -7,12 +7,12 @@ Tensors are then read one at a time (memory-mapped), never the whole model.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deployer.core.fsutil import read_json_object
 from deployer.core.hashing import sha256_file, sha256_pairs
 from deployer.core.safetensors_io import SafetensorsHeader, TensorEntry, read_header
 from deployer.errors import FormatError, SourceModelError
@@ -131,13 +131,7 @@ def iter_tensors(source: SourceModel) -> Iterator[tuple[SourceTensor, Any]]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SourceModelError(f"{path}: not readable JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise SourceModelError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, SourceModelError)
 
 
 def _architecture(path: Path, config: dict[str, Any]) -> str:

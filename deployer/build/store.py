@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from deployer.core.canonical import canonical_json
+from deployer.core.fsutil import atomic_write, fsync_dir
 from deployer.core.hashing import sha256_bytes, sha256_file
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.errors import BuildError, FormatError
@@ -92,13 +93,13 @@ class Store:
             staged.rename(dest)
         except OSError as exc:
             raise BuildError(f"{dest}: cannot move the artifact into the store ({exc})") from exc
-        _fsync_dir(self.artifacts)
+        fsync_dir(self.artifacts)
         return dest
 
     def remember(self, key: str, artifact_id: str) -> None:
         """Record that `key` built `artifact_id` (atomically: temp file, fsync, rename)."""
         self._mkdir(self.cache)
-        _atomic_write(self.cache / f"{key}.json", canonical_json({"artifact_id": artifact_id}))
+        atomic_write(self.cache / f"{key}.json", canonical_json({"artifact_id": artifact_id}))
 
     def _mkdir(self, path: Path) -> Path:
         try:
@@ -132,23 +133,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        Path(tmp).replace(path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

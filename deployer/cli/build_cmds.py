@@ -7,53 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from deployer.build.spec import BuildRequest, BuildResult, GateSpec, Override, QuantSpec
-from deployer.build.store import STORE_DIRNAME
+from deployer.build.request import request_from_config
+from deployer.build.spec import BuildRequest, BuildResult
 from deployer.cli.common import console, emit_json, examples, info, output_option, verbosity
-from deployer.errors import BuildError, QualityGateError
+from deployer.errors import QualityGateError
 
 if TYPE_CHECKING:
-    from deployer.config import Config
-
-
-def request_from_config(config: Config, *, use_cache: bool = True) -> BuildRequest:
-    """Map a loaded deploy.yaml `Config` onto the build's own request (paths resolved)."""
-    from deployer.build.source import resolve_source
-
-    model = config.model
-    quant = model.quantization
-    if quant.awq:
-        raise BuildError(
-            "model.quantization.awq: activation-aware scaling is not supported by this builder",
-            hint="remove `awq: true` (plain int4/int8 weight-only quantization is used)",
-        )
-    spec = QuantSpec(
-        scheme=quant.scheme,
-        group_size=quant.group_size,
-        overrides=tuple(Override(o.pattern, o.scheme, o.group_size) for o in quant.overrides),
-    )
-    gate = None
-    if model.quality_gate is not None:
-        g = model.quality_gate
-        gate = GateSpec(
-            eval_text=config.resolve(g.eval_text),
-            max_tokens=g.max_tokens,
-            max_perplexity_increase_pct=g.max_perplexity_increase_pct,
-            min_top1_agreement=g.min_top1_agreement,
-            max_mean_kl=g.max_mean_kl,
-        )
-    return BuildRequest(
-        source_dir=resolve_source(model.source, config.base_dir),
-        name=model.name,
-        version=model.version,
-        quant=spec,
-        store_dir=config.base_dir / STORE_DIRNAME,
-        gate=gate,
-        use_cache=use_cache,
-        # The llama.cpp engine runs GGUF files: build the artifact it can load.
-        format="gguf" if config.agent.engine == "llama.cpp" else "safetensors",
-        gguf_int4=quant.gguf_int4,
-    )
+    pass
 
 
 def result_json(result: BuildResult) -> dict[str, Any]:

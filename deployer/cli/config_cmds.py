@@ -10,6 +10,7 @@ from typing import cast
 import click
 
 from deployer.cli.common import console, emit_json, info, output_option
+from deployer.core.fsutil import atomic_write
 
 
 @click.command(
@@ -114,7 +115,5 @@ def schema(ctx: click.Context, kind: str, out: Path | None, check: bool) -> None
         sys.stdout.write(text)
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(out)
+    atomic_write(out, text)
     info(f"wrote {out}")

@@ -1,4 +1,4 @@
-"""`plan`, `apply`, `rollback`, `status`, `logs`: thin wrappers over deployer.fleet, one call each."""
+"""`plan`, `apply`, `rollback`, `status`, `logs`: thin wrappers over deployer.push.fleet, one call each."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _selector(pairs: tuple[str, ...]) -> dict[str, str] | None:
 
 def _fleet(config_path: Path, selector: tuple[str, ...], names: tuple[str, ...], parallel: int):
     from deployer.config import load_config
-    from deployer.fleet import Fleet
+    from deployer.push.fleet import Fleet
 
     return Fleet.select(
         load_config(config_path), selector=_selector(selector), names=names, parallel=parallel
@@ -111,7 +111,7 @@ class _Board:
 
 
 def _execute(fleet: Any, fp: Any, action: str, output: str) -> None:
-    from deployer.fleet import apply_plan
+    from deployer.push.fleet import apply_plan
 
     show = output == "text" and verbosity() >= 0 and console().is_terminal
     board = _Board() if show else None
@@ -161,8 +161,8 @@ def plan(
     output: str,
 ) -> None:
     """Show what apply would change on each device, and why. Changes nothing."""
-    from deployer.desired import build_target
-    from deployer.fleet import plan_fleet, write_plan_file
+    from deployer.push.fleet import plan_fleet, write_plan_file
+    from deployer.release.desired import build_target
 
     fleet = _fleet(config_path, selector, names, parallel)
     try:
@@ -203,9 +203,9 @@ def apply(
     output: str,
 ) -> None:
     """Make the fleet match deploy.yaml (or execute a saved plan.json), by the configured strategy."""
-    from deployer.desired import build_target
-    from deployer.fleet import check_plan_file, check_unchanged, load_plan_file, plan_fleet
-    from deployer.fleet_state import force_unlock as unlock
+    from deployer.push.fleet import check_plan_file, check_unchanged, load_plan_file, plan_fleet
+    from deployer.push.state import force_unlock as unlock
+    from deployer.release.desired import build_target
 
     saved = load_plan_file(plan_file) if plan_file else None
     if saved is not None:
@@ -254,7 +254,7 @@ def rollback(
     output: str,
 ) -> None:
     """Return devices to an earlier version, as a NEW signed release (anti-rollback stays on)."""
-    from deployer.fleet import plan_fleet, rollback_target
+    from deployer.push.fleet import plan_fleet, rollback_target
 
     fleet = _fleet(config_path, selector, names, parallel)
     try:
@@ -281,7 +281,7 @@ def status(
     config_path: Path, selector: tuple[str, ...], names: tuple[str, ...], parallel: int, output: str
 ) -> None:
     """Device, version, health and last result of each device."""
-    from deployer.fleet import fleet_status
+    from deployer.push.fleet import fleet_status
 
     fleet = _fleet(config_path, selector, names, parallel)
     try:
@@ -316,8 +316,8 @@ def status(
 @click.option("--follow", is_flag=True, help="Keep printing new lines (Ctrl-C to stop).")
 def logs(device: str, config_path: Path, since: str | None, follow: bool) -> None:
     """Print the agent's log of one device (journalctl -u sits-agent, or its log file)."""
-    from deployer.bootstrap import log_command
-    from deployer.facts import gather_facts
+    from deployer.push.bootstrap import log_command
+    from deployer.push.facts import gather_facts
 
     fleet = _fleet(config_path, (), (device,), 1)
     site = fleet.sites[device]

@@ -12,7 +12,7 @@ import click
 from deployer.cli.common import console, emit_json, examples, info, output_option
 
 if TYPE_CHECKING:
-    from deployer.publish import PublishedChannel
+    from deployer.pull.publish import PublishedChannel
 
 
 config_option = click.option(
@@ -72,7 +72,7 @@ def publish(
     a channel's root lists, the root is rotated: signed by the old root's keys and the new ones.
     """
     from deployer.config import load_config
-    from deployer.publish import publish as publish_channels
+    from deployer.pull.publish import publish as publish_channels
 
     results = publish_channels(load_config(config_path), to, channels=channels, old_root_keys=old_root_keys)
     if output == "json":
@@ -141,7 +141,7 @@ def promote(
     converged healthy, nothing is published and each such device is listed.
     """
     from deployer.config import load_config
-    from deployer.promote import promote as promote_ring
+    from deployer.push.promote import promote as promote_ring
 
     done = promote_ring(
         load_config(config_path), source, to, channel=channel, parallel=parallel, old_root_keys=old_root_keys

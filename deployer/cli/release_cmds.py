@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from deployer.cli.common import emit_json, examples, info, output_option
+from deployer.core.fsutil import atomic_write
 from deployer.core.hashing import sha256_file
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.core.release import Envelope, PatchRef, make_release, read_envelope
@@ -88,7 +89,7 @@ def _artifact_id(directory: Path) -> str | None:
 
 def _signed(envelope: Envelope, keys: tuple[Path, ...], passphrase_env: str) -> Envelope:
     """`envelope` with a signature added by each key (passphrase asked for once, if needed)."""
-    from deployer.sign import add_signature, is_encrypted, load_private_key
+    from deployer.release.sign import add_signature, is_encrypted, load_private_key
 
     secret = None
     for path in keys:
@@ -99,9 +100,7 @@ def _signed(envelope: Envelope, keys: tuple[Path, ...], passphrase_env: str) -> 
 
 
 def _write_envelope(envelope: Envelope, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_bytes(envelope.to_bytes())
-    tmp.replace(path)
+    atomic_write(path, envelope.to_bytes())
 
 
 @click.command(
@@ -127,7 +126,7 @@ def _write_envelope(envelope: Envelope, path: Path) -> None:
 @output_option
 def keygen(prefix: Path, passphrase_env: str, unencrypted: bool, output: str) -> None:
     """Make an ECDSA P-256 signing key pair (private key encrypted with a passphrase)."""
-    from deployer.sign import generate_key
+    from deployer.release.sign import generate_key
 
     passphrase = None if unencrypted else _passphrase(passphrase_env, confirm=True)
     pair = generate_key(
@@ -264,7 +263,7 @@ def verify(
 @output_option
 def delta(base: Path, target: Path, out: Path, output: str) -> None:
     """Make a tensor-aware patch that turns one artifact into another."""
-    from deployer.delta import create_patch
+    from deployer.release.delta import create_patch
 
     summary = create_patch(base, target, out)
     data = {
@@ -398,7 +397,7 @@ def release(
     output: str,
 ) -> None:
     """Make a release manifest for ARTIFACT (optionally for a patch from --base), and sign it."""
-    from deployer.sign import envelope_for
+    from deployer.release.sign import envelope_for
 
     if (base is None) != (patch is None):
         raise click.UsageError("--base and --patch go together")

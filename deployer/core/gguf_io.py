@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from deployer.core.tensor_layout import check_tensor_layout
 from deployer.errors import FormatError
 
 __all__ = [
@@ -183,7 +184,7 @@ def _parse(r: _Reader, path: Path, file_size: int) -> GGUFHeader:
     infos = [_tensor_info(r, path) for _ in range(n_tensors)]
     data_start = -(-r.position // alignment) * alignment
     tensors = sorted((_place(path, info, data_start, alignment) for info in infos), key=lambda t: t.offset)
-    _check_layout(path, tensors, data_start, file_size)
+    check_tensor_layout(path, tensors, data_start, file_size)
     return GGUFHeader(path, version, metadata, tuple(tensors), alignment, data_start, file_size)
 
 
@@ -216,25 +217,6 @@ def _place(
         raise FormatError(f"{path}: tensor {name!r} offset {relative} is not aligned to {alignment}")
     length = math.prod(shape) // ggml_type.block * ggml_type.block_bytes
     return GGUFTensor(name, ggml_type, shape, data_start + relative, length)
-
-
-def _check_layout(path: Path, tensors: list[GGUFTensor], data_start: int, file_size: int) -> None:
-    """`tensors` sorted by offset: names unique, no overlaps, nothing past the end of the file."""
-    names = set()
-    cursor = data_start
-    for t in tensors:
-        if t.name in names:
-            raise FormatError(f"{path}: tensor {t.name!r} appears twice in the tensor table")
-        names.add(t.name)
-        if t.offset < cursor:
-            raise FormatError(f"{path}: tensor {t.name!r} overlaps the previous tensor")
-        if t.offset + t.length > file_size:
-            raise FormatError(
-                f"{path}: tensor {t.name!r} ends at byte {t.offset + t.length}, past the end of "
-                f"the file ({file_size} bytes)",
-                hint="the file is truncated; rebuild or re-download it",
-            )
-        cursor = t.offset + t.length
 
 
 class _Reader:

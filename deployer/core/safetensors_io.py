@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from deployer.core.tensor_layout import check_tensor_layout
 from deployer.errors import FormatError
 
 # Header JSON larger than this is refused outright (safetensors itself caps at 100 MB).
@@ -100,7 +101,7 @@ def read_header(path: Path) -> SafetensorsHeader:
         raise FormatError(f"{path}: __metadata__ must map strings to strings")
     entries = [_entry(path, name, spec, data_start) for name, spec in header.items()]
     entries.sort(key=lambda e: e.offset)
-    _check_layout(path, entries, data_start, file_size)
+    check_tensor_layout(path, entries, data_start, file_size)
     return SafetensorsHeader(path, data_start, file_size, tuple(entries), dict(metadata))
 
 
@@ -126,17 +127,3 @@ def _entry(path: Path, name: str, spec: object, data_start: int) -> TensorEntry:
             f"{math.prod(shape) * DTYPE_SIZES[dtype]}"
         )
     return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], length)
-
-
-def _check_layout(path: Path, entries: list[TensorEntry], data_start: int, size: int) -> None:
-    cursor = data_start
-    for e in entries:
-        if e.offset < cursor:
-            raise FormatError(f"{path}: tensor {e.name!r} overlaps the previous tensor")
-        if e.offset + e.length > size:
-            raise FormatError(
-                f"{path}: tensor {e.name!r} ends at byte {e.offset + e.length}, past the end of "
-                f"the file ({size} bytes)",
-                hint="the file is truncated; rebuild or re-download it",
-            )
-        cursor = e.offset + e.length

@@ -9,6 +9,7 @@ exactly what the README documents. Everything lives in one work directory, remov
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from rich.console import Console
 
-from deployer.cli.common import console
 from deployer.errors import SitsError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "deploy.yaml"
@@ -212,9 +213,9 @@ def _dir_size(path: Path) -> int:
 
 def stop_agents(config_path: Path, environ: dict[str, str]) -> None:
     """Stop every local device's agent (the demo fleet runs them as background processes)."""
-    from deployer.bootstrap import stop_agent
     from deployer.config import load_config
-    from deployer.facts import DeviceSite
+    from deployer.push.bootstrap import stop_agent
+    from deployer.push.facts import DeviceSite
     from deployer.transport import LocalTransport
 
     config = load_config(config_path, environ=environ)
@@ -222,6 +223,12 @@ def stop_agents(config_path: Path, environ: dict[str, str]) -> None:
         root = config.resolve(device.root)
         if device.transport == "local" and root.is_dir():
             stop_agent(DeviceSite.of(config, device), LocalTransport(root))
+
+
+@functools.cache
+def console() -> Console:
+    """The demo's narration on stderr (the CLI's own console lives in deployer/cli, above the demo)."""
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _step(title: str, action: Callable[[], object]) -> object:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from deployer.agent.engines import make_engine
-from deployer.agent.server import AgentServer
+from deployer.agent.http.server import AgentServer
 from deployer.agent.settings import AgentSettings, SmokePrompt
 
 # Small limits keep the tiny model fast; tests override what they exercise.

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from deployer.agent.admission import Admission, Overloaded, QueueTimeout
+from deployer.agent.http.admission import Admission, Overloaded, QueueTimeout
 
 
 def _hold(admission, entered, release):

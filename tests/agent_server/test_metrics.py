@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from deployer.agent.metrics import AgentMetrics, Registry
+from deployer.agent.http.metrics import AgentMetrics, Registry
 
 
 def test_counter_and_gauge_lines():

@@ -3,7 +3,12 @@
 import pytest
 
 from deployer.agent.engines.base import ChatMessage
-from deployer.agent.openai_api import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
+from deployer.agent.http.openai_schemas import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
 
 
 def _chat(**extra):

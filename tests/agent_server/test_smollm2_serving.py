@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from deployer.agent.engines import make_engine
-from deployer.agent.server import AgentServer
+from deployer.agent.http.server import AgentServer
 from deployer.agent.settings import AgentSettings, SmokePrompt
 
 

@@ -20,7 +20,7 @@ from deployer.agent.store import DeviceStore
 REPO = Path(__file__).resolve().parents[2]
 SERVE = (
     "import sys; from pathlib import Path; from deployer.agent.settings import load_settings; "
-    "from deployer.agent.server import run_server; run_server(load_settings(Path(sys.argv[1])))"
+    "from deployer.agent.http.server import run_server; run_server(load_settings(Path(sys.argv[1])))"
 )
 
 

@@ -23,8 +23,8 @@ from deployer.build.spec import BuildRequest, QuantSpec
 from deployer.core.canonical import canonical_json
 from deployer.core.hashing import sha256_bytes
 from deployer.core.release import ArtifactRef, FileHash, ModelRef, PatchRef, Release, make_release
-from deployer.delta import create_patch
-from deployer.sign import add_signature, envelope_for, generate_key, load_private_key
+from deployer.release.delta import create_patch
+from deployer.release.sign import add_signature, envelope_for, generate_key, load_private_key
 
 VERSIONS = ("1.0.0", "1.1.0", "1.2.0")
 

@@ -18,7 +18,7 @@ from deployer.agent.cli import cli
 from deployer.core.canonical import canonical_json
 from deployer.core.hashing import sha256_file
 from deployer.core.release import make_release
-from deployer.sign import add_signature, envelope_for
+from deployer.release.sign import add_signature, envelope_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -138,7 +138,7 @@ def _broken_artifact(kit, dest: Path) -> Path:
 def served(device, kit, tmp_path):
     """A real agent server on 127.0.0.1 serving 1.0.0 from `device`, and a config pointing at it."""
     from deployer.agent.engines import make_engine
-    from deployer.agent.server import AgentServer
+    from deployer.agent.http.server import AgentServer
     from deployer.agent.settings import AgentSettings
 
     assert _install(device, kit, "1.0.0", 1)[0] == 0

@@ -16,11 +16,11 @@ import pytest
 import yaml
 from click.testing import CliRunner, Result
 
-from deployer.bootstrap import stop_agent
 from deployer.cli.main import cli
 from deployer.config import load_config
-from deployer.facts import DeviceSite
-from deployer.sign import generate_key
+from deployer.push.bootstrap import stop_agent
+from deployer.push.facts import DeviceSite
+from deployer.release.sign import generate_key
 from deployer.transport import LocalTransport
 
 DEVICES = ("edge-a", "edge-b", "edge-c")

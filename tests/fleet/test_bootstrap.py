@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from deployer.agent.settings import AgentSettings
-from deployer.bootstrap import agent_settings
 from deployer.config import load_config
-from deployer.facts import DeviceSite, gather_facts
+from deployer.push.bootstrap import agent_settings
+from deployer.push.facts import DeviceSite, gather_facts
 from deployer.transport import LocalTransport
 from tests.fleet.conftest import local_devices, make_project
 
@@ -56,9 +56,9 @@ def test_fresh_device_gets_the_agent_from_our_wheel(tmp_path, tiny_model_dir):
 
 
 def test_managed_files_carry_the_signature_threshold(tmp_path, tiny_model_dir):
-    from deployer.bootstrap import desired_files
-    from deployer.facts import KEYS_DIR
-    from deployer.sign import generate_key
+    from deployer.push.bootstrap import desired_files
+    from deployer.push.facts import KEYS_DIR
+    from deployer.release.sign import generate_key
 
     base = tmp_path / "project"
     project = make_project(base, {"1.0.0": tiny_model_dir}, local_devices(base, ("d",), sys.executable))

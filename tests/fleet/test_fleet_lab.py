@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from deployer.bootstrap import desired_files, write_files
 from deployer.config import load_config
-from deployer.fleet import Fleet
+from deployer.push.bootstrap import desired_files, write_files
+from deployer.push.fleet import Fleet
 from tests.fleet.conftest import make_project
 from tests.lab.lab import Lab
 

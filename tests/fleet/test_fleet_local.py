@@ -17,8 +17,8 @@ import time
 import pytest
 
 from deployer.config import load_config
-from deployer.facts import DeviceSite, gather_facts
-from deployer.fleet_state import FleetLock, read_audit, read_lock
+from deployer.push.facts import DeviceSite, gather_facts
+from deployer.push.state import FleetLock, read_audit, read_lock
 from deployer.transport import LocalTransport
 from tests.fleet.conftest import DEVICES, Project
 

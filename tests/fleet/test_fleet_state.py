@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deployer.errors import SitsError
-from deployer.fleet_state import FleetLock, append_audit, force_unlock, read_audit, read_lock
+from deployer.push.state import FleetLock, append_audit, force_unlock, read_audit, read_lock
 
 
 def test_second_holder_is_refused_with_the_lock_id(tmp_path):

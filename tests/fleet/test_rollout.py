@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deployer.config.models import Strategy
-from deployer.rollout import (
+from deployer.push.rollout import (
     MetricsSnapshot,
     Sample,
     WaveKind,

@@ -11,7 +11,7 @@ import sys
 
 import yaml
 
-from deployer.sign import generate_key
+from deployer.release.sign import generate_key
 from tests.fleet.conftest import local_devices, make_project
 
 

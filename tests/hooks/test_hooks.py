@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from deployer import hooks
 from deployer.config.loader import load_config
 from deployer.errors import HookError
-from deployer.hooks import PHASES, HookContext, run_hook, run_phase_hook
+from deployer.push import hooks
+from deployer.push.hooks import PHASES, HookContext, run_hook, run_phase_hook
 
 CONTEXT = HookContext(
     phase="pre-deploy",

@@ -20,8 +20,8 @@ from deployer.core.gguf_io import read_gguf_header
 from deployer.core.manifest import read_manifest
 from deployer.core.patch_apply import apply_patch
 from deployer.core.patch_format import Codec, read_header
-from deployer.delta import create_patch
 from deployer.errors import BuildError, QualityGateError
+from deployer.release.delta import create_patch
 from tests.build.conftest import small_gate, store_is_empty
 from tests.llamacpp.conftest import build_gguf
 

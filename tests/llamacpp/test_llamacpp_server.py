@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from deployer.agent.engines import make_engine
-from deployer.agent.server import AgentServer
+from deployer.agent.http.server import AgentServer
 from deployer.agent.settings import AgentSettings, SmokePrompt
 from deployer.build.gguf_writer import GGUF_NAME
 from tests.llamacpp.conftest import needs_llama_cpp

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployer.plan import DesiredState, DeviceFacts, DeviceStatus, StepKind, make_plan, plan_device
+from deployer.push.plan import DesiredState, DeviceFacts, DeviceStatus, StepKind, make_plan, plan_device
 
 UNITS = {"sits-agent.service": "u1", "sits-rollback.service": "u2"}
 DESIRED = DesiredState(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from deployer.config import load_config
-from deployer.desired import Releaser, build_target
+from deployer.release.desired import Releaser, build_target
 from tests.pull.nginx import NGINX, Nginx, start_nginx, stop_nginx
 from tests.pull.project import Project, make_project
 

@@ -12,7 +12,7 @@ from securesystemslib.signer import CryptoSigner, SSlibKey
 from tuf.api.metadata import Metadata, MetaFile, Root, Snapshot, Targets, Timestamp
 from tuf.api.serialization.json import JSONSerializer
 
-from deployer.sign import load_private_key
+from deployer.release.sign import load_private_key
 
 
 def signer(private_key: Path) -> CryptoSigner:

@@ -16,8 +16,8 @@ from deployer.agent.store import DeviceStore
 from deployer.agent.updater import Updater
 from deployer.config import load_config
 from deployer.config.models import Config
-from deployer.publish import PublishedChannel, publish
-from deployer.sign import generate_key
+from deployer.pull.publish import PublishedChannel, publish
+from deployer.release.sign import generate_key
 
 
 @dataclass

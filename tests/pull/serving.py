@@ -8,8 +8,8 @@ from http.client import HTTPConnection
 
 from deployer.agent.cli import http_reloader
 from deployer.agent.engines import make_engine
+from deployer.agent.http.server import AgentServer
 from deployer.agent.poll import Poller
-from deployer.agent.server import AgentServer
 from deployer.agent.settings import AgentSettings, SmokePrompt
 from deployer.agent.updater import Updater
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deployer.errors import ConfigError, KeyFileError, SignatureError
-from deployer.publish_keys import ROLES
+from deployer.pull.role_keys import ROLES
 from tests.pull import forge
 from tests.pull.nginx import Nginx
 from tests.pull.project import Project, make_device

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from deployer.agent.server import AgentServer
+from deployer.agent.http.server import AgentServer
 from deployer.cli.main import cli as deployer_cli
 from deployer.errors import SitsError
-from deployer.fleet_state import read_audit
-from deployer.promote import promote
-from deployer.publish import published_artifact
+from deployer.pull.publish import published_artifact
+from deployer.push.promote import promote
+from deployer.push.state import read_audit
 from tests.pull.nginx import Nginx
 from tests.pull.project import Project, make_device
 from tests.pull.serving import serve

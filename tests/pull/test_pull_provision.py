@@ -13,10 +13,10 @@ import yaml
 from click.testing import CliRunner
 
 from deployer.agent.cli import cli as agent_cli
-from deployer.bootstrap import desired_files, stop_agent
 from deployer.cli.main import cli as deployer_cli
 from deployer.errors import ConfigError
-from deployer.facts import PULL_CONFIG, PULL_ROOT, UNIT_DIR, DeviceSite
+from deployer.push.bootstrap import desired_files, stop_agent
+from deployer.push.facts import PULL_CONFIG, PULL_ROOT, UNIT_DIR, DeviceSite
 from deployer.transport import LocalTransport
 from tests.pull.nginx import Nginx
 from tests.pull.project import Project

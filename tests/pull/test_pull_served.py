@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from deployer.agent.http.server import AgentServer
 from deployer.agent.poll import Poller
-from deployer.agent.server import AgentServer
 from tests.pull.nginx import Nginx
 from tests.pull.project import Project, make_device
 from tests.pull.serving import chat, serve

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deployer.units import POLL_TIMER, POLL_UNIT, UnitParams, render_pull_units, write_units
+from deployer.push.units import POLL_TIMER, POLL_UNIT, UnitParams, render_pull_units, write_units
 
 
 def test_timer_polls_with_jitter_and_service_runs_one_poll() -> None:

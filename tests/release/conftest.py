@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from deployer.delta import create_patch
+from deployer.release.delta import create_patch
 from tests.release.helpers import Fleet, build, perturb
 
 

@@ -24,7 +24,7 @@ from deployer.core.hashing import sha256_file
 from deployer.core.patch_format import MAGIC, PREFIX_BYTES, TRAILER_BYTES
 from deployer.core.release import Envelope, PatchRef, make_release
 from deployer.core.verify import TrustedKeys, key_id
-from deployer.sign import add_signature, envelope_for
+from deployer.release.sign import add_signature, envelope_for
 
 NOW = datetime(2026, 6, 1, 12, 0, 0, tzinfo=UTC)
 

@@ -15,7 +15,6 @@ from safetensors.numpy import save_file
 from deployer.core.canonical import canonical_json
 from deployer.core.patch_apply import apply_patch
 from deployer.core.patch_format import MAX_HEADER_BYTES, TRAILER_BYTES, Codec
-from deployer.delta import create_patch
 from deployer.errors import (
     BaseMismatchError,
     FormatError,
@@ -23,6 +22,7 @@ from deployer.errors import (
     IntegrityError,
     UnsafePathError,
 )
+from deployer.release.delta import create_patch
 from tests.release.helpers import decode_stream, encode_stream, forge_patch, split_patch, stream_range, tree
 
 

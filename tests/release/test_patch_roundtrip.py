@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 from deployer.core.patch_apply import apply_patch
 from deployer.core.patch_format import Codec, Coder, PatchHeader, read_header
 from deployer.core.safetensors_io import read_header as read_safetensors_header
-from deployer.delta import create_patch
+from deployer.release.delta import create_patch
 from tests.release.helpers import tree
 
 

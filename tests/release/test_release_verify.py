@@ -29,7 +29,7 @@ from deployer.errors import (
     ReplayError,
     SignatureError,
 )
-from deployer.sign import add_signature, envelope_for, generate_key, load_private_key
+from deployer.release.sign import add_signature, envelope_for, generate_key, load_private_key
 from tests.release.helpers import NOW, artifact_id, sha
 
 

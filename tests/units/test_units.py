@@ -10,7 +10,7 @@ import pytest
 
 from deployer.config.models import Config
 from deployer.errors import ConfigError
-from deployer.units import (
+from deployer.push.units import (
     AGENT_UNIT,
     ROLLBACK_UNIT,
     UnitParams,

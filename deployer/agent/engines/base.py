@@ -90,8 +90,44 @@ class EngineInfo:
 
 
 class Engine(abc.ABC):
-    """A loaded model. Not thread-safe: the server runs one generation at a time per engine
-    unless `max_concurrent` says otherwise, and serializes calls itself."""
+    """A loaded model. Not thread-safe: every call comes from one thread at a time.
+
+    Two ways to generate. `stream` runs one sequence to its end. The batched step interface
+    (`max_slots`, `prefill`, `step`, `release`) is what a scheduler drives to serve many requests
+    at once: each request owns a slot; requests join (prefill) and leave (release) between steps,
+    and one `step` advances every running slot by one token. An engine without batching keeps the
+    defaults below (`max_slots` 0) and is served through `stream`, one request at a time.
+    """
+
+    @property
+    def max_slots(self) -> int:
+        """How many sequences `step` can advance together (0: no batched interface)."""
+        return 0
+
+    def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Start `slot` on `prompt` with its own sampling (seeded per request) and return the first
+        generated token id. The slot's cache is written by position, so a prompt that shares a prefix
+        with what the slot last held may skip that part. Raises AgentError for a bad slot, a prompt
+        that does not fit, or bad parameters."""
+        raise AgentError(f"the {type(self).__name__} engine has no batched interface")
+
+    def step(self, slots: Sequence[int]) -> list[int]:
+        """One decode step for each of `slots` (each continues from its last token); the next token
+        id of each, in the same order."""
+        raise AgentError(f"the {type(self).__name__} engine has no batched interface")
+
+    def release(self, slot: int) -> None:
+        """End the sequence in `slot`; the slot may be prefilled again (its prefix kept for reuse)."""
+        raise AgentError(f"the {type(self).__name__} engine has no batched interface")
+
+    def decode(self, ids: list[int]) -> str:
+        """Ids to text, special tokens left out (a scheduler streams text through textstream)."""
+        raise AgentError(f"the {type(self).__name__} engine does not decode ids")
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """Token ids that end generation (EOS, end of turn)."""
+        return frozenset()
 
     @abc.abstractmethod
     def load(self, artifact_dir: Path) -> None:

@@ -9,7 +9,6 @@ which records the kernel each layer runs.
 
 from __future__ import annotations
 
-import json
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from torch import nn
 
 from deployer.agent.engines.llama import ModelArgs, Transformer, args_from_config
 from deployer.agent.engines.qlinear import KERNEL_LINEAR, LinearWeights, build_linear
+from deployer.core.fsutil import read_json_object
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant
 from deployer.core.safetensors_io import TensorEntry, read_header
@@ -128,15 +128,7 @@ def read_facts(directory: Path, weights: WeightFiles) -> ArtifactFacts:
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from `path`; FormatError if missing or malformed."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise FormatError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def choose_dtype(

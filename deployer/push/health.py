@@ -1,6 +1,6 @@
 """Health checks of one device's agent, run on the device over its transport (the agent listens on
 loopback only): readiness on a version, smoke prompts within the latency budget, and the samples
-the canary analysis judges (`deployer.rollout.judge`).
+the canary analysis judges (`deployer.push.rollout.judge`).
 
 Raises AgentError when a device fails a check; TransportError when it cannot be reached.
 """
@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 from deployer.config.models import Health
 from deployer.errors import AgentError, SitsError
-from deployer.facts import DeviceSite, HttpReply, agent_request
-from deployer.rollout import MetricsSnapshot, Sample, parse_metrics
+from deployer.push.facts import DeviceSite, HttpReply, agent_request
+from deployer.push.rollout import MetricsSnapshot, Sample, parse_metrics
 from deployer.transport import Transport
 
 __all__ = ["health_gate", "sample", "scrape_metrics", "serving_version", "smoke", "wait_ready"]

@@ -1,6 +1,6 @@
 """Run a Plan's steps on the devices, wave by wave, and report what each device ended up with.
 
-The executor walks the waves `deployer.rollout` makes, runs at most `parallel` devices at once
+The executor walks the waves `deployer.push.rollout` makes, runs at most `parallel` devices at once
 (`deployer.transport.run_bounded`), and tells `on_phase(device, phase, detail)` about every step
 (the CLI draws live progress from it). On each device the agent installs atomically, so a device is
 always on its old or its new version; a device that fails after its install (health gate, analysis,
@@ -18,7 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deployer.bootstrap import (
+from deployer.config.models import Config
+from deployer.errors import AgentError, SitsError
+from deployer.push.bootstrap import (
     agent_running,
     desired_files,
     ensure_serving,
@@ -30,20 +32,18 @@ from deployer.bootstrap import (
     store_command,
     write_files,
 )
-from deployer.config.models import Config
-from deployer.desired import ReleaseFiles
-from deployer.errors import AgentError, SitsError
-from deployer.facts import DeviceSite
-from deployer.health import health_gate, sample, scrape_metrics, serving_version
-from deployer.hooks import HookContext, Phase, run_phase_hook
-from deployer.plan import DeviceFacts, DevicePlan, DeviceStatus, Plan, StepKind
-from deployer.rollout import (
+from deployer.push.facts import DeviceSite
+from deployer.push.health import health_gate, sample, scrape_metrics, serving_version
+from deployer.push.hooks import HookContext, Phase, run_phase_hook
+from deployer.push.plan import DeviceFacts, DevicePlan, DeviceStatus, Plan, StepKind
+from deployer.push.rollout import (
     Wave,
     WaveKind,
     judge,
     make_waves,
     should_halt,
 )
+from deployer.release.desired import ReleaseFiles
 from deployer.transport import Transport, run_bounded
 
 __all__ = ["DeviceResult", "Executor", "RolloutReport"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bz2
 import hashlib
-import os
 import struct
 import tempfile
 from collections import Counter
@@ -33,6 +32,7 @@ import bsdiff4
 import numpy as np
 import zstandard
 
+from deployer.core.fsutil import atomic_open
 from deployer.core.gguf_io import GGUFHeader, read_gguf_header
 from deployer.core.hashing import CHUNK, sha256_file
 from deployer.core.patch_apply import UINT_BY_SIZE, inside, zigzag
@@ -512,12 +512,10 @@ _STREAMS: dict[Codec, Callable[[_Job], Iterator[bytes]]] = {
 
 
 def _write_patch(out: Path, header: bytes, streams: list[Path]) -> str:
-    """Prefix, header, the streams and the trailing sha256 into a temp file, then rename. Returns the sha."""
+    """Prefix, header, the streams and the trailing sha256, written durably to `out`. Returns the sha."""
     digest = hashlib.sha256()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
-    tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with atomic_open(out) as f:
             for part in (MAGIC, struct.pack("<Q", len(header)), header):
                 digest.update(part)
                 f.write(part)
@@ -527,11 +525,6 @@ def _write_patch(out: Path, header: bytes, streams: list[Path]) -> str:
                         digest.update(chunk)
                         f.write(chunk)
             f.write(digest.digest())
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(out)
     except OSError as exc:
         raise SitsError(f"{out}: cannot write the patch: {exc.strerror or exc}") from exc
-    finally:
-        tmp.unlink(missing_ok=True)
     return digest.hexdigest()

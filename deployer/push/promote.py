@@ -2,8 +2,8 @@
 the ring runs it and is ready.
 
     ring_devices   the inventory devices that poll a channel (the first channel whose selector their
-                   labels match, as provisioning assigns them: deployer.pull_provision)
-    check_ring     per device, over the fleet transport (deployer.facts): reachable, running the
+                   labels match, as provisioning assigns them: deployer.push.pull_files)
+    check_ring     per device, over the fleet transport (deployer.push.facts): reachable, running the
                    channel's artifact, and serving it (ready)
     promote        check the source ring, then publish the artifact it runs to the next channel in
                    publish.channels (or the one named); refuse with a per-device report otherwise
@@ -18,11 +18,11 @@ from datetime import datetime
 from pathlib import Path
 
 from deployer.config.models import Config, Device, Publish
-from deployer.desired import SITS_DIRNAME, Desired
 from deployer.errors import ConfigError, SitsError
-from deployer.fleet_state import append_audit
-from deployer.publish import PublishedChannel, publish, published_artifact
-from deployer.pull_provision import channel_of
+from deployer.pull.publish import PublishedChannel, publish, published_artifact
+from deployer.push.pull_files import channel_of
+from deployer.push.state import append_audit
+from deployer.release.desired import SITS_DIRNAME, Desired
 
 __all__ = ["Promotion", "RingDevice", "check_ring", "next_channel", "promote", "ring_devices"]
 
@@ -79,7 +79,7 @@ def check_ring(
     config: Config, devices: tuple[Device, ...], artifact: Desired, *, parallel: int
 ) -> list[RingDevice]:
     """Each device's version and readiness, read over its transport, against `artifact`."""
-    from deployer.fleet import Fleet
+    from deployer.push.fleet import Fleet
 
     fleet = Fleet(config, devices, parallel)
     try:

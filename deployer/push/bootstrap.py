@@ -34,12 +34,12 @@ import yaml
 
 from deployer import __version__
 from deployer.config.models import Config
-from deployer.desired import ReleaseFiles
 from deployer.errors import AgentError, SitsError, TransportError
-from deployer.facts import AGENT_CONFIG, KEYS_DIR, UNIT_DIR, VENV_PYTHON, DeviceSite, agent_request
-from deployer.pull_provision import pull_files
+from deployer.push.facts import AGENT_CONFIG, KEYS_DIR, UNIT_DIR, VENV_PYTHON, DeviceSite, agent_request
+from deployer.push.pull_files import pull_files
+from deployer.push.units import POLL_TIMER
+from deployer.release.desired import ReleaseFiles
 from deployer.transport import Transport
-from deployer.units import POLL_TIMER
 
 __all__ = [
     "INCOMING",
@@ -62,7 +62,7 @@ __all__ = [
 INCOMING = "/var/lib/sits/incoming"  # uploads; not staging/, which the agent empties on each start
 LOG_FILE = "/var/log/sits-agent.log"
 PID_FILE = "/run/sits-agent.pid"
-SERVICE_USER = "sits"  # User= of the units (deployer.units.UnitParams.user)
+SERVICE_USER = "sits"  # User= of the units (deployer.push.units.UnitParams.user)
 STORE_DIR = "/var/lib/sits"
 _START_POLL_S = 0.5
 
@@ -102,7 +102,7 @@ def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[st
         files[f"{KEYS_DIR}/threshold"] = f"{config.signing.threshold}\n".encode()
     params = None
     if systemd:
-        from deployer.units import UnitParams, render_units
+        from deployer.push.units import UnitParams, render_units
 
         params = UnitParams.from_config(config)
         params = UnitParams(
@@ -225,7 +225,7 @@ def ensure_serving(
     site: DeviceSite, transport: Transport, version: str, *, systemd: bool, timeout_s: float
 ) -> None:
     """Make the agent serve `version`: start it when it is not running, else have it reload."""
-    from deployer.health import serving_version
+    from deployer.push.health import serving_version
 
     if not agent_running(site, transport):
         start_agent(site, transport, systemd=systemd, timeout_s=timeout_s)

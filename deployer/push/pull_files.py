@@ -15,8 +15,8 @@ from __future__ import annotations
 import yaml
 
 from deployer.config.models import Channel, Config, Device
-from deployer.facts import PULL_CONFIG, PULL_ROOT, UNIT_DIR
-from deployer.units import UnitParams, render_pull_units
+from deployer.push.facts import PULL_CONFIG, PULL_ROOT, UNIT_DIR
+from deployer.push.units import UnitParams, render_pull_units
 
 __all__ = ["channel_of", "channel_url", "pull_files"]
 
@@ -38,7 +38,7 @@ def pull_files(config: Config, device: Device, units: UnitParams | None) -> dict
     channel = channel_of(config, device)
     if config.publish is None or config.publish.base_url is None or channel is None:
         return {}
-    from deployer.publish import channel_root  # tuf loads only for pull-mode fleets
+    from deployer.pull.publish import channel_root  # tuf loads only for pull-mode fleets
 
     settings = {"url": channel_url(config.publish.base_url, channel.name)}
     files = {

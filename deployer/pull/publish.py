@@ -19,7 +19,7 @@ highest counter is the floor for new releases, so a fleet rollback is a release 
 Files reach the destination targets first and timestamp.json last, so a poller never sees a
 timestamp that names files not yet there.
 
-Keys per role (deployer.publish_keys): each role is signed only when it must change, so routine
+Keys per role (deployer.pull.role_keys): each role is signed only when it must change, so routine
 re-signing of the timestamp needs only the online keys. When deploy.yaml's role keys or thresholds
 differ from the channel's root, the root is rotated: `<n+1>.root.json` lists the new keys and is
 signed by a threshold of the old root's keys and of the new ones, which lets devices that trust
@@ -48,10 +48,18 @@ from tuf.api.metadata import (
 from tuf.api.serialization.json import JSONSerializer
 
 from deployer.config.models import Config, Publish
-from deployer.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store, build_target
+from deployer.core.fsutil import atomic_write
 from deployer.errors import ConfigError, KeyFileError, SitsError
-from deployer.publish_keys import ROLES, KeyRing
-from deployer.publish_upload import upload
+from deployer.pull.role_keys import ROLES, KeyRing
+from deployer.pull.upload import upload
+from deployer.release.desired import (
+    SITS_DIRNAME,
+    Desired,
+    ReleaseFiles,
+    Releaser,
+    artifact_in_store,
+    build_target,
+)
 
 __all__ = [
     "ChannelTarget",
@@ -466,9 +474,7 @@ def _write_signed(path: Path, metadata: Metadata, signers: list[Signer]) -> None
     for signer in {s.public_key.keyid: s for s in signers}.values():  # once per key
         metadata.sign(signer, append=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(metadata.to_bytes(_SERIALIZER))
-    tmp.replace(path)
+    atomic_write(path, metadata.to_bytes(_SERIALIZER))
 
 
 def _chosen_channels(settings: Publish, wanted: tuple[str, ...]) -> list[str]:

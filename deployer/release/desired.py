@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from deployer.build.store import STORE_DIRNAME, Store
 from deployer.config.models import Config
+from deployer.core.fsutil import atomic_write
 from deployer.core.hashing import sha256_file
 from deployer.core.manifest import read_manifest
 from deployer.core.release import PatchRef, make_release, parse_time
@@ -98,7 +99,7 @@ class Desired:
 def build_target(config: Config) -> Desired:
     """Build (or find in the cache) the artifact deploy.yaml names. Raises BuildError."""
     from deployer.build.pipeline import build_artifact
-    from deployer.cli.build_cmds import request_from_config
+    from deployer.build.request import request_from_config
 
     result = build_artifact(request_from_config(config))
     return Desired(config.model.version, result.artifact_id, result.artifact_dir)
@@ -129,14 +130,12 @@ class Releaser:
 
     def patch(self, base: Desired, target: Desired) -> Path:
         """The patch from `base` to `target`, made once and cached."""
-        from deployer.delta import create_patch
+        from deployer.release.delta import create_patch
 
         path = self.patches_dir / f"{base.artifact_sha256[:16]}-{target.artifact_sha256[:16]}.patch"
         if not path.is_file():
             self.patches_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            create_patch(base.artifact_dir, target.artifact_dir, tmp)
-            tmp.replace(path)
+            create_patch(base.artifact_dir, target.artifact_dir, path)  # written atomically
         return path
 
     def release(
@@ -170,7 +169,7 @@ class Releaser:
         return ReleaseFiles(manifest, counter, patch, target.artifact_dir)
 
     def _issue(self, target: Desired, base: Desired | None, patch: Path | None, counter: int) -> Path:
-        from deployer.sign import add_signature, envelope_for
+        from deployer.release.sign import add_signature, envelope_for
 
         key = self._signing_key()
         patch_ref = None
@@ -189,13 +188,11 @@ class Releaser:
         envelope = add_signature(envelope_for(body), key)
         path = self._path(counter)
         self.releases_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(envelope.to_bytes())
-        tmp.replace(path)
+        atomic_write(path, envelope.to_bytes())
         return path
 
     def _signing_key(self):
-        from deployer.sign import is_encrypted, load_private_key
+        from deployer.release.sign import is_encrypted, load_private_key
 
         signing = self.config.signing
         if signing is None or signing.private_key is None:
@@ -231,9 +228,7 @@ class Releaser:
 
     def _write_ledger(self, ledger: _Ledger) -> None:
         self.releases_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.ledger_path.with_name("ledger.json.tmp")
         try:
-            tmp.write_text(ledger.model_dump_json(indent=2) + "\n")
-            tmp.replace(self.ledger_path)
+            atomic_write(self.ledger_path, ledger.model_dump_json(indent=2) + "\n")
         except OSError as exc:
             raise SitsError(f"{self.ledger_path}: cannot write: {exc.strerror or exc}") from exc

@@ -255,12 +255,12 @@ def _environment() -> jinja2.Environment:
 
 def _template_dir() -> Path:
     """templates/ of a source checkout, or the copy the wheel carries in deployer/_data/."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_data" / "templates", here.parent / "templates"):
+    package = Path(__file__).resolve().parents[1]  # deployer/
+    for candidate in (package / "_data" / "templates", package.parent / "templates"):
         if (candidate / f"{AGENT_UNIT}.j2").is_file():
             return candidate
     raise ConfigError(
-        f"the unit templates are missing (looked in {here / '_data'} and {here.parent})",
+        f"the unit templates are missing (looked in {package / '_data'} and {package.parent})",
         hint="reinstall sits-deployer; the wheel carries them under deployer/_data/templates",
     )
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from deployer import __version__
 from deployer.config.models import Config, Device
 from deployer.errors import RefusedError, TransportError
-from deployer.plan import DeviceFacts
+from deployer.push.plan import DeviceFacts
 from deployer.transport import Transport, run_bounded
 
 __all__ = [

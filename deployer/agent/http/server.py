@@ -27,11 +27,11 @@ from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from deployer.agent.admission import Admission
 from deployer.agent.engines.base import Engine
-from deployer.agent.handler import RequestHandler
 from deployer.agent.hotswap import ModelManager, SwapResult
-from deployer.agent.metrics import AgentMetrics
+from deployer.agent.http.admission import Admission
+from deployer.agent.http.metrics import AgentMetrics
+from deployer.agent.http.routes import RequestHandler
 from deployer.agent.notify import Notifier, Watchdog, configure_journal_logging, lifecycle_event
 from deployer.agent.settings import AgentSettings
 from deployer.agent.store import DeviceStore

@@ -17,16 +17,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from deployer.bootstrap import build_wheel, desired_files
 from deployer.config.models import Config, Device
 from deployer.core.hashing import sha256_bytes
-from deployer.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store
 from deployer.errors import ConfigError, SignatureError, SitsError
-from deployer.executor import Executor, OnPhase, RolloutReport
-from deployer.facts import DeviceSite, controller_agent_version, gather_fleet
-from deployer.fleet_state import FleetLock, append_audit, read_audit
-from deployer.plan import DesiredState, DeviceFacts, DeviceStatus, Plan, StepKind, facts_digest, plan_device
-from deployer.rollout import OfflineDecision, decide_offline
+from deployer.push.bootstrap import build_wheel, desired_files
+from deployer.push.executor import Executor, OnPhase, RolloutReport
+from deployer.push.facts import DeviceSite, controller_agent_version, gather_fleet
+from deployer.push.plan import (
+    DesiredState,
+    DeviceFacts,
+    DeviceStatus,
+    Plan,
+    StepKind,
+    facts_digest,
+    plan_device,
+)
+from deployer.push.rollout import OfflineDecision, decide_offline
+from deployer.push.state import FleetLock, append_audit, read_audit
+from deployer.release.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store
 from deployer.transport import LocalTransport, Transport
 
 __all__ = [

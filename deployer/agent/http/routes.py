@@ -15,15 +15,16 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployer.agent.admission import Overloaded, QueueTimeout
 from deployer.agent.engines.base import Engine, EngineInfo, TokenEvent
-from deployer.agent.hotswap import Unavailable
-from deployer.agent.openai_api import (
+from deployer.agent.hotswap import ModelManager, SwapResult, Unavailable
+from deployer.agent.http.admission import Admission, Overloaded, QueueTimeout
+from deployer.agent.http.metrics import AgentMetrics
+from deployer.agent.http.openai_schemas import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,9 +39,6 @@ from deployer.agent.openai_api import (
 from deployer.agent.settings import AgentSettings
 from deployer.agent.slot import ModelSlot
 from deployer.errors import SitsError
-
-if TYPE_CHECKING:
-    from deployer.agent.server import AgentServer
 
 __all__ = ["RequestHandler"]
 
@@ -60,6 +58,20 @@ class ReloadRequest(BaseModel):
     reason: Literal["reload", "update", "rollback"] = "reload"
 
 
+class AgentApp(Protocol):
+    """What a connection needs of the server it belongs to (the server implements it; routes never
+    import the server, so the two modules do not depend on each other)."""
+
+    settings: AgentSettings
+    metrics: AgentMetrics
+    manager: ModelManager
+    admission: Admission
+
+    def reload(
+        self, artifact_dir: Path | None = None, version: str | None = None, *, reason: str = "reload"
+    ) -> SwapResult: ...
+
+
 class RequestHandler(BaseHTTPRequestHandler):
     """One connection; HTTP/1.1 keep-alive, chunked transfer for streams."""
 
@@ -69,8 +81,8 @@ class RequestHandler(BaseHTTPRequestHandler):
     # -- plumbing --------------------------------------------------------------------------------
 
     @property
-    def app(self) -> AgentServer:
-        """The AgentServer this connection belongs to."""
+    def app(self) -> AgentApp:
+        """The AgentApp this connection belongs to."""
         return self.server.app  # type: ignore[attr-defined]
 
     @property
@@ -321,7 +333,7 @@ class _Run:
         self.tokens = 0
         self.finish = "stop"
 
-    def track(self, events: Iterator[TokenEvent], app: AgentServer) -> Iterator[TokenEvent]:
+    def track(self, events: Iterator[TokenEvent], app: AgentApp) -> Iterator[TokenEvent]:
         """Pass events through, counting tokens and observing TTFT and end-to-end latency."""
         for event in events:
             if event.token_id is not None:

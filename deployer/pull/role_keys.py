@@ -132,7 +132,7 @@ class KeyRing:
         return RoleSpec((RoleKey(self._load(path).public_key, path),), 1)
 
     def _load(self, path: Path) -> CryptoSigner:
-        from deployer.sign import is_encrypted, load_private_key
+        from deployer.release.sign import is_encrypted, load_private_key
 
         if path not in self._signers:
             env = self.config.signing.passphrase_env if self.config.signing else "SITS_SIGNING_PASSPHRASE"

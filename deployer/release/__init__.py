@@ -1,0 +1,1 @@
+"""Release making: delta patches, signatures, and the ledger of release counters."""
