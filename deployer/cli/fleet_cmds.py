@@ -127,7 +127,8 @@ def _execute(fleet: Any, fp: Any, action: str, output: str) -> None:
 
     show = output == "text" and verbosity() >= 0 and console().is_terminal
     board = _Board() if show else None
-    on_phase = board.update if board else (lambda d, p, x: info(f"{d}: {p} {x}") if verbosity() > 0 else None)
+    verbose = verbosity() > 0  # read here: the click context is not visible in the worker threads
+    on_phase = board.update if board else (lambda d, p, x: info(f"{d}: {p} {x}") if verbose else None)
     project = Path(__file__).resolve().parents[2]
     try:
         if board:
