@@ -51,9 +51,9 @@ def _selector(pairs: tuple[str, ...]) -> dict[str, str] | None:
 
 def _fleet(config_path: Path, selector: tuple[str, ...], names: tuple[str, ...], parallel: int):
     from deployer.config import load_config
-    from deployer.push.fleet import Fleet
+    from deployer.push.fleet import FleetSession
 
-    return Fleet.select(
+    return FleetSession.select(
         load_config(config_path), selector=_selector(selector), names=names, parallel=parallel
     )
 
@@ -74,6 +74,18 @@ def _plan_table(plan: Any) -> Table:
             d.reason,
         )
     return table
+
+
+def _print_plan(plan: Any) -> None:
+    """The plan table; with -v, every step's actions under it (what apply runs, in order)."""
+    console().print(_plan_table(plan))
+    if verbosity() < 1:
+        return
+    for d in plan.devices:
+        for step in d.steps:
+            console().print(f"{d.device}  {step.kind.value}: {step.reason}", markup=False)
+            for action in step.actions:
+                console().print(f"    {action.describe()}", markup=False)
 
 
 def _report_table(report: Any) -> Table:
@@ -115,7 +127,8 @@ def _execute(fleet: Any, fp: Any, action: str, output: str) -> None:
 
     show = output == "text" and verbosity() >= 0 and console().is_terminal
     board = _Board() if show else None
-    on_phase = board.update if board else (lambda d, p, x: info(f"{d}: {p} {x}") if verbosity() > 0 else None)
+    verbose = verbosity() > 0  # read here: the click context is not visible in the worker threads
+    on_phase = board.update if board else (lambda d, p, x: info(f"{d}: {p} {x}") if verbose else None)
     project = Path(__file__).resolve().parents[2]
     try:
         if board:
@@ -131,8 +144,8 @@ def _execute(fleet: Any, fp: Any, action: str, output: str) -> None:
         console().print(_report_table(report))
         if report.halted:
             console().print(f"[red]halted:[/red] {report.halted}")
-    if not report.ok:
-        sys.exit(1)
+    if report.exit_code:
+        sys.exit(report.exit_code)
 
 
 @click.command(
@@ -174,7 +187,7 @@ def plan(
     if output == "json":
         emit_json(fp.plan.to_dict())
     else:
-        console().print(_plan_table(fp.plan))
+        _print_plan(fp.plan)
     if detailed_exitcode and fp.plan.has_changes:
         sys.exit(2)
 
@@ -227,7 +240,7 @@ def apply(
         if output == "json":
             emit_json(fp.plan.to_dict())
         else:
-            console().print(_plan_table(fp.plan))
+            _print_plan(fp.plan)
         if not dry_run:
             check_unchanged(fleet, fp)
         info("no changes" if not fp.plan.has_changes else "dry run: nothing was changed")

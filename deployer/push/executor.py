@@ -12,30 +12,33 @@ finish their current device, and the report (and so the audit log) records where
 
 from __future__ import annotations
 
+import enum
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from deployer.config.models import Config
+from deployer.core.hashing import sha256_bytes
 from deployer.errors import AgentError, SitsError
-from deployer.push.bootstrap import (
-    agent_running,
-    desired_files,
-    ensure_serving,
-    install_agent,
-    install_args,
-    prepare_service_user,
-    send_release,
-    start_agent,
-    store_command,
-    write_files,
-)
+from deployer.push.agent_control import AgentControl, RemoteAgent
+from deployer.push.bootstrap import desired_files, install_agent, prepare_service_user, store_command
 from deployer.push.facts import DeviceSite
-from deployer.push.health import health_gate, sample, scrape_metrics, serving_version
-from deployer.push.hooks import HookContext, Phase, run_phase_hook
-from deployer.push.plan import DeviceFacts, DevicePlan, DeviceStatus, Plan, StepKind
+from deployer.push.hooks import PHASES, HookContext, HookPhase, run_phase_hook
+from deployer.push.plan import (
+    GENERATED,
+    RELEASE_COUNTER,
+    RELEASE_MANIFEST,
+    Action,
+    ActionKind,
+    DeviceFacts,
+    DevicePlan,
+    DeviceStatus,
+    Plan,
+    StepKind,
+)
 from deployer.push.rollout import (
     Wave,
     WaveKind,
@@ -46,7 +49,7 @@ from deployer.push.rollout import (
 from deployer.release.desired import ReleaseFiles
 from deployer.transport import Transport, run_bounded
 
-__all__ = ["DeviceResult", "Executor", "RolloutReport"]
+__all__ = ["DeviceResult", "Executor", "HookRunner", "ResultStatus", "RolloutReport"]
 
 STAGE_STEPS = frozenset(
     {StepKind.BOOTSTRAP, StepKind.WRITE_UNITS, StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT}
@@ -54,6 +57,33 @@ STAGE_STEPS = frozenset(
 SWITCH_STEPS = frozenset(set(StepKind) - STAGE_STEPS - {StepKind.PRE_DEPLOY_HOOK})
 DEPLOY_STEPS = STAGE_STEPS | SWITCH_STEPS
 OnPhase = Callable[[str, str, str], None]
+HookRunner = Callable[[HookContext], object]  # runs deploy.yaml's hook for context.phase; raises HookError
+
+
+class ResultStatus(enum.StrEnum):
+    """Where a device ended up after a rollout (the planner's verdict is plan.DeviceStatus)."""
+
+    UPDATED = "updated"
+    UNCHANGED = "unchanged"
+    STAGED = "staged"  # blue-green: payload on the device, not switched (yet)
+    FAILED = "failed"
+    ROLLED_BACK = "rolled-back"
+    OFFLINE = "offline"
+    SKIPPED = "skipped"  # offline and skipped by strategy.offline, or staged and never switched
+    BLOCKED = "blocked"
+    NOT_STARTED = "not-started"
+
+
+# Statuses that make a rollout not ok, and those that count toward the failure threshold.
+_NOT_OK = frozenset(
+    {ResultStatus.FAILED, ResultStatus.ROLLED_BACK, ResultStatus.NOT_STARTED, ResultStatus.BLOCKED}
+)
+_FAILURES = frozenset({ResultStatus.FAILED, ResultStatus.ROLLED_BACK})
+_PLANNED = {
+    DeviceStatus.UNCHANGED: ResultStatus.UNCHANGED,
+    DeviceStatus.OFFLINE: ResultStatus.OFFLINE,
+    DeviceStatus.BLOCKED: ResultStatus.BLOCKED,
+}
 
 
 @dataclass(frozen=True)
@@ -61,7 +91,7 @@ class DeviceResult:
     """Where one device ended up. `version` is what it runs afterwards (as far as we know)."""
 
     device: str
-    status: str  # updated unchanged staged failed rolled-back offline skipped blocked not-started
+    status: ResultStatus
     from_version: str | None
     to_version: str
     version: str | None
@@ -84,8 +114,14 @@ class RolloutReport:
     @property
     def ok(self) -> bool:
         """No device failed, nothing halted, not interrupted."""
-        bad = {"failed", "rolled-back", "not-started", "blocked"}
-        return not self.halted and not self.interrupted and not any(r.status in bad for r in self.results)
+        return not self.halted and not self.interrupted and not any(r.status in _NOT_OK for r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit status: 0 when ok, 130 when interrupted (as for Ctrl-C), else 1."""
+        if self.interrupted:
+            return 130
+        return 0 if self.ok else 1
 
     def to_dict(self) -> dict:
         """JSON-ready form (audit log, `--output json`)."""
@@ -93,23 +129,24 @@ class RolloutReport:
 
 
 @dataclass
-class _Run:
+class _RolloutProgress:
     """Mutable bookkeeping of one rollout, shared by the worker threads under `lock`."""
 
     results: dict[str, DeviceResult] = field(default_factory=dict)
-    updated: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)  # devices this rollout changed, in order
     halted: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, result: DeviceResult) -> None:
         with self.lock:
             self.results[result.device] = result
-            if result.status in {"updated", "staged"} and result.device not in self.updated:
+            touched = result.status in {ResultStatus.UPDATED, ResultStatus.STAGED}
+            if touched and result.device not in self.updated:
                 self.updated.append(result.device)
 
     def failed(self) -> int:
         with self.lock:
-            return sum(r.status in {"failed", "rolled-back"} for r in self.results.values())
+            return sum(r.status in _FAILURES for r in self.results.values())
 
 
 class _DeviceFailed(SitsError):
@@ -122,7 +159,13 @@ class _DeviceFailed(SitsError):
 
 
 class Executor:
-    """Executes plans on a fleet through its transports."""
+    """Executes plans on a fleet through its transports.
+
+    The device I/O beyond the plan's own actions comes through narrow seams, so that tests run the
+    executor against a simulated fleet: `connect` (a transport per device), `agent` (start/reload,
+    health gate, metrics; default RemoteAgent), `hooks` (deploy.yaml's hooks; default
+    run_phase_hook) and `sleep` (analysis windows and pauses; the health gate's polling too).
+    """
 
     def __init__(
         self,
@@ -134,6 +177,8 @@ class Executor:
         on_phase: OnPhase | None = None,
         wheel: Callable[[], Path] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        agent: AgentControl | None = None,
+        hooks: HookRunner | None = None,
     ) -> None:
         self.config = config
         self.sites = sites
@@ -142,6 +187,8 @@ class Executor:
         self.on_phase = on_phase or (lambda _d, _p, _x: None)
         self.wheel = wheel
         self.sleep = sleep
+        self.agent: AgentControl = agent or RemoteAgent(config.health, sleep)
+        self.hooks: HookRunner = hooks or (lambda context: run_phase_hook(config, context))
 
     # -- the rollout -----------------------------------------------------------------------------
 
@@ -158,12 +205,13 @@ class Executor:
         `releases` holds the signed release and payload for every device whose plan sends one.
         Raises KeyboardInterrupt after recording (the report is attached as `exc.report`).
         """
-        run = _Run()
+        run = _RolloutProgress()
         strategy = self.config.strategy
         for dp in plan.devices:
             if dp.status is not DeviceStatus.CHANGE:
-                status = {"unchanged": "unchanged", "offline": "offline", "blocked": "blocked"}[dp.status]
-                run.record(self._result(dp, status, dp.from_version, phase="plan", error=_why(dp)))
+                run.record(
+                    self._result(dp, _PLANNED[dp.status], dp.from_version, phase="plan", error=_why(dp))
+                )
         changing = [dp for dp in plan.devices if dp.status is DeviceStatus.CHANGE]
         by_name = {dp.device: dp for dp in changing}
         try:
@@ -192,9 +240,11 @@ class Executor:
             run.halted = exc.message
         return self._report(plan, run, action)
 
-    def _report(self, plan: Plan, run: _Run, action: str, *, interrupted: bool = False) -> RolloutReport:
+    def _report(
+        self, plan: Plan, run: _RolloutProgress, action: str, *, interrupted: bool = False
+    ) -> RolloutReport:
         results = tuple(
-            run.results.get(dp.device) or self._result(dp, "not-started", dp.from_version)
+            run.results.get(dp.device) or self._result(dp, ResultStatus.NOT_STARTED, dp.from_version)
             for dp in plan.devices
         )
         return RolloutReport(
@@ -202,10 +252,13 @@ class Executor:
         )
 
     def _pre_deploy_hooks(self, changing: list[DevicePlan], action: str) -> None:
-        phase: Phase = "pre-rollback" if action == "rollback" else "pre-deploy"
+        """Every device's pre-hook steps, before any device changes (one failure halts all)."""
         for dp in changing:
-            self.on_phase(dp.device, phase, "")
-            self._hook(phase, dp)
+            for step in dp.steps:
+                if step.kind is StepKind.PRE_DEPLOY_HOOK:
+                    for act in step.actions:
+                        self.on_phase(dp.device, act.target, "")
+                        self._hook(_hook_phase(act.target), dp)
 
     def _run_wave(
         self,
@@ -213,13 +266,15 @@ class Executor:
         plans: Mapping[str, DevicePlan],
         facts: Mapping[str, DeviceFacts],
         releases: Mapping[str, ReleaseFiles],
-        run: _Run,
+        run: _RolloutProgress,
         action: str,
     ) -> None:
         kinds = {WaveKind.STAGE: STAGE_STEPS, WaveKind.SWITCH: SWITCH_STEPS}.get(wave.kind, DEPLOY_STEPS)
 
         def job(name: str) -> None:
-            if run.halted or (wave.kind is WaveKind.SWITCH and run.results[name].status != "staged"):
+            if run.halted or (
+                wave.kind is WaveKind.SWITCH and run.results[name].status != ResultStatus.STAGED
+            ):
                 return
             dp = plans[name]
             run.record(self._device(dp, facts[name], releases.get(name), kinds, wave.kind, action))
@@ -249,56 +304,86 @@ class Executor:
                 self.on_phase(dp.device, phase, step.reason)
                 if step.kind is StepKind.INSTALL:
                     installed = True  # from here on, a failure may leave the new version active
-                sent += self._step(step.kind, dp, site, transport, facts, release, action)
+                if not step.actions:
+                    raise AgentError(
+                        f"{site.name}: the plan's {phase} step has no actions (a plan without a recipe)"
+                    )
+                for act in step.actions:
+                    sent += self._act(act, dp, site, transport, facts, release)
         except SitsError as exc:
             return self._fail(dp, site, transport, _DeviceFailed(exc, phase, installed), action, sent)
         if wave_kind is WaveKind.STAGE:
             self.on_phase(dp.device, "staged", "")
-            return self._result(dp, "staged", dp.from_version, phase=phase, sent=sent)
+            return self._result(dp, ResultStatus.STAGED, dp.from_version, phase=phase, sent=sent)
         self.on_phase(dp.device, "done", f"now on {dp.to_version}")
-        return self._result(dp, "updated", dp.to_version, phase=phase, sent=sent)
+        return self._result(dp, ResultStatus.UPDATED, dp.to_version, phase=phase, sent=sent)
 
-    def _step(
+    def _act(
         self,
-        kind: StepKind,
+        act: Action,
         dp: DevicePlan,
         site: DeviceSite,
         transport: Transport,
         facts: DeviceFacts,
         release: ReleaseFiles | None,
-        action: str,
     ) -> int:
-        """Run one step; return the payload bytes it sent."""
-        timeout = self.config.health.readiness_timeout.total_seconds()
-        if kind is StepKind.BOOTSTRAP:
+        """Run one action of the plan, as `plan -v` printed it; return the payload bytes it sent."""
+        if RELEASE_COUNTER in act.target or act.source == RELEASE_MANIFEST:
+            act = act.for_release(_need(release, site).counter)
+        if act.kind is ActionKind.PUT:
+            return self._put(act, site, transport, facts, release)
+        if act.kind is ActionKind.RUN:
+            transport.run(act.target, timeout=act.timeout_s).check(act.what or f"{site.name}: {act.target}")
+        elif act.kind is ActionKind.HOOK:
+            self._hook(_hook_phase(act.target), dp)
+        else:
+            self._call(act.target, dp, site, transport, facts)
+        return 0
+
+    def _put(
+        self,
+        act: Action,
+        site: DeviceSite,
+        transport: Transport,
+        facts: DeviceFacts,
+        release: ReleaseFiles | None,
+    ) -> int:
+        if act.source == RELEASE_MANIFEST:
+            return transport.put(_need(release, site).manifest, site.file(act.target)).bytes_sent
+        if act.source != GENERATED:
+            return transport.put(Path(act.source), site.file(act.target)).bytes_sent
+        data = desired_files(self.config, site, systemd=facts.systemd).get(act.target)
+        if data is None or sha256_bytes(data) != act.sha256:
+            raise AgentError(
+                f"{site.name}: {act.target} would differ from the plan (deploy.yaml or a key changed)",
+                hint="run `sits-deployer plan` again and apply the new plan",
+            )
+        with tempfile.TemporaryDirectory(prefix="sits-files-") as tmp:
+            local = Path(tmp) / "file"
+            local.write_bytes(data)
+            return transport.put(local, site.file(act.target)).bytes_sent
+
+    def _call(
+        self, name: str, dp: DevicePlan, site: DeviceSite, transport: Transport, facts: DeviceFacts
+    ) -> None:
+        """The named operations of deployer.push.operations.CALLS."""
+        if name == "install-agent":
             if self.wheel is None:
                 raise AgentError(
                     f"{site.name}: the agent is missing or at another version and no wheel is available",
                     hint="run from the source tree, or install sits-deployer in the device's python",
                 )
             install_agent(site, transport, self.wheel())
-        elif kind is StepKind.WRITE_UNITS:
-            changed = write_files(site, transport, desired_files(self.config, site, systemd=facts.systemd))
-            if facts.systemd:
-                prepare_service_user(site, transport)
-            if facts.systemd and any(p.endswith(".service") for p in changed):
-                transport.run("systemctl daemon-reload", timeout=60).check(f"{site.name}: daemon-reload")
-            if changed and facts.model_version and agent_running(site, transport):
-                start_agent(site, transport, systemd=facts.systemd, timeout_s=timeout)
-        elif kind in (StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT):
-            return send_release(site, transport, _need(release, site))
-        elif kind is StepKind.INSTALL:
-            argv = site.agent("install", *install_args(site, _need(release, site)))
-            transport.run(store_command(site, argv), timeout=900).check(
-                f"{site.name}: sits-agent install {dp.to_version}"
-            )
-        elif kind is StepKind.RELOAD:
-            ensure_serving(site, transport, dp.to_version, systemd=facts.systemd, timeout_s=timeout)
-        elif kind is StepKind.HEALTH_GATE:
-            health_gate(self.config.health, site, transport, dp.to_version, self.sleep)
-        elif kind is StepKind.POST_DEPLOY_HOOK:
-            self._hook("post-rollback" if action == "rollback" else "post-deploy", dp)
-        return 0
+        elif name == "prepare-service-user":
+            prepare_service_user(site, transport)
+        elif name == "restart-if-running":
+            self.agent.restart_if_running(site, transport, systemd=facts.systemd)
+        elif name == "ensure-serving":
+            self.agent.ensure_serving(site, transport, dp.to_version, systemd=facts.systemd)
+        elif name == "health-gate":
+            self.agent.health_gate(site, transport, dp.to_version)
+        else:
+            raise AgentError(f"{site.name}: the plan names an unknown operation {name!r}")
 
     def _fail(
         self,
@@ -312,10 +397,15 @@ class Executor:
         self.on_phase(dp.device, "failed", f"{failure.phase}: {failure.message}")
         if not failure.installed:
             return self._result(
-                dp, "failed", dp.from_version, phase=failure.phase, error=failure.message, sent=sent
+                dp,
+                ResultStatus.FAILED,
+                dp.from_version,
+                phase=failure.phase,
+                error=failure.message,
+                sent=sent,
             )
         version = self._roll_back_device(dp, site, transport, action)
-        status = "rolled-back" if version == dp.from_version else "failed"
+        status = ResultStatus.ROLLED_BACK if version == dp.from_version else ResultStatus.FAILED
         return self._result(dp, status, version, phase=failure.phase, error=failure.message, sent=sent)
 
     # -- rollback of devices ------------------------------------------------------------------------
@@ -342,37 +432,41 @@ class Executor:
 
     def _installed_version(self, site: DeviceSite, transport: Transport, fallback: str | None) -> str | None:
         try:
-            return serving_version(site, transport) or fallback
+            return self.agent.serving_version(site, transport) or fallback
         except SitsError:
             return fallback
 
-    def _roll_back_updated(self, run: _Run, plans: Mapping[str, DevicePlan], action: str) -> None:
+    def _roll_back_updated(self, run: _RolloutProgress, plans: Mapping[str, DevicePlan], action: str) -> None:
         def job(name: str) -> None:
             dp, old = plans[name], run.results[name]
-            if old.status == "staged":  # blue-green: never switched, nothing to undo
-                run.record(DeviceResult(**{**asdict(old), "status": "skipped", "version": dp.from_version}))
+            if old.status == ResultStatus.STAGED:  # blue-green: never switched, nothing to undo
+                run.record(replace(old, status=ResultStatus.SKIPPED, version=dp.from_version))
                 return
             site = self.sites[name]
             version = self._roll_back_device(dp, site, self.connect(site), action)
-            status = "rolled-back" if version == dp.from_version else "failed"
-            run.record(DeviceResult(**{**asdict(old), "status": status, "version": version}))
+            status = ResultStatus.ROLLED_BACK if version == dp.from_version else ResultStatus.FAILED
+            run.record(replace(old, status=status, version=version))
 
         run_bounded(list(run.updated), job, parallel=self.parallel)
 
     # -- analysis (canary) ----------------------------------------------------------------------------
 
-    def _analyse(self, wave: Wave, plans: Mapping[str, DevicePlan], run: _Run, limit: int) -> None:
+    def _analyse(
+        self, wave: Wave, plans: Mapping[str, DevicePlan], run: _RolloutProgress, limit: int
+    ) -> None:
         if not wave.analysis_s:
             return
-        names = [n for n in wave.devices if run.results.get(n) and run.results[n].status == "updated"]
-        before = {n: scrape_metrics(self.sites[n], self.connect(self.sites[n])) for n in names}
+        names = [
+            n for n in wave.devices if n in run.results and run.results[n].status == ResultStatus.UPDATED
+        ]
+        before = {n: self.agent.scrape(self.sites[n], self.connect(self.sites[n])) for n in names}
         self.sleep(wave.analysis_s)
         for name in names:
             site = self.sites[name]
             transport = self.connect(site)
             self.on_phase(name, "analysis", f"{wave.analysis_s:g}s window")
             reason = judge(
-                sample(self.config.health, site, transport, before[name]),
+                self.agent.sample(site, transport, before[name]),
                 latency_budget_ms=self.config.health.latency_budget_ms,
             )
             if reason is not None:
@@ -385,7 +479,7 @@ class Executor:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _hook(self, phase: Phase, dp: DevicePlan) -> None:
+    def _hook(self, phase: HookPhase, dp: DevicePlan) -> None:
         site = self.sites[dp.device]
         context = HookContext(
             phase=phase,
@@ -396,12 +490,12 @@ class Executor:
             application=self.config.application,
             namespace=self.config.namespace,
         )
-        run_phase_hook(self.config, context)
+        self.hooks(context)
 
     def _result(
         self,
         dp: DevicePlan,
-        status: str,
+        status: ResultStatus,
         version: str | None,
         *,
         phase: str = "",
@@ -419,3 +513,11 @@ def _need(release: ReleaseFiles | None, site: DeviceSite) -> ReleaseFiles:
 
 def _why(dp: DevicePlan) -> str | None:
     return None if dp.status is DeviceStatus.UNCHANGED else dp.reason
+
+
+def _hook_phase(name: str) -> HookPhase:
+    """A plan's hook phase name as the hooks module types it (the plan holds plain strings)."""
+    phases: dict[str, HookPhase] = {p: p for p in PHASES}
+    if name not in phases:
+        raise AgentError(f"the plan names an unknown hook phase {name!r}")
+    return phases[name]

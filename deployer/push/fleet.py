@@ -1,6 +1,7 @@
 """The fleet commands' work, one function each: plan, apply, rollback, status (the CLI only prints).
 
     plan_fleet     config -> facts of the selected devices -> per-device desired state -> Plan
+                   (plan.make_plan, each step's actions written by operations.DeviceRecipe)
     apply_plan     lock, offline policy, releases, executor, audit log
     rollback_fleet a Plan whose target is an older artifact, issued as a new signed release
     fleet_status   device, version, health, last result (from the audit log)
@@ -21,29 +22,23 @@ from deployer.config.models import Config, Device
 from deployer.core.hashing import sha256_bytes
 from deployer.errors import ConfigError, SignatureError, SitsError
 from deployer.push.bootstrap import build_wheel, desired_files
-from deployer.push.executor import Executor, OnPhase, RolloutReport
+from deployer.push.executor import Executor, OnPhase, ResultStatus, RolloutReport
 from deployer.push.facts import DeviceSite, controller_agent_version, gather_fleet
-from deployer.push.plan import (
-    DesiredState,
-    DeviceFacts,
-    DeviceStatus,
-    Plan,
-    StepKind,
-    facts_digest,
-    plan_device,
-)
+from deployer.push.operations import DeviceRecipe
+from deployer.push.plan import DesiredState, DeviceFacts, DeviceStatus, Plan, StepKind, make_plan
 from deployer.push.rollout import OfflineDecision, decide_offline
 from deployer.push.state import FleetLock, append_audit, read_audit
 from deployer.release.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store
 from deployer.transport import LocalTransport, Transport
 
 __all__ = [
-    "Fleet",
     "FleetPlan",
+    "FleetSession",
     "apply_plan",
     "check_plan_file",
     "fleet_status",
     "load_plan_file",
+    "make_fleet_plan",
     "plan_fleet",
     "prepare_releases",
     "rollback_target",
@@ -51,15 +46,19 @@ __all__ = [
 ]
 
 PLAN_FILE_KIND = "sits-plan"
+Connect = Callable[[Config, Device, DeviceSite], Transport]
 
 
 @dataclass
-class Fleet:
-    """The selected devices of one config, their sites, and one transport per device."""
+class FleetSession:
+    """The devices one command selected from a config's inventory (`config.fleet`), their sites,
+    and one open transport per device. `connect` makes a device's transport (tests pass a
+    simulated one)."""
 
     config: Config
     devices: tuple[Device, ...]
     parallel: int = 4
+    connect: Connect | None = None
 
     def __post_init__(self) -> None:
         self.sites = {d.name: DeviceSite.of(self.config, d) for d in self.devices}
@@ -73,7 +72,8 @@ class Fleet:
         selector: Mapping[str, str] | None = None,
         names: Sequence[str] = (),
         parallel: int = 4,
-    ) -> Fleet:
+        connect: Connect | None = None,
+    ) -> FleetSession:
         """The devices matching every `selector` label (default: strategy.selector) and, if given, `names`."""
         labels = dict(config.strategy.selector if selector is None else selector)
         unknown = set(names) - {d.name for d in config.fleet.devices}
@@ -88,13 +88,13 @@ class Fleet:
             raise ConfigError(
                 "no device matches the selection", hint="check --selector/--device and the labels"
             )
-        return cls(config, chosen, parallel)
+        return cls(config, chosen, parallel, connect)
 
     def transport(self, site: DeviceSite) -> Transport:
         """The (cached) transport of a device."""
         if site.name not in self._transports:
             device = next(d for d in self.devices if d.name == site.name)
-            self._transports[site.name] = _connect(self.config, device, site)
+            self._transports[site.name] = (self.connect or _connect)(self.config, device, site)
         return self._transports[site.name]
 
     def close(self) -> None:
@@ -135,40 +135,61 @@ class FleetPlan:
     target: Desired
 
 
-def plan_fleet(fleet: Fleet, target: Desired, *, rollback: bool = False) -> FleetPlan:
+def plan_fleet(fleet: FleetSession, target: Desired, *, rollback: bool = False) -> FleetPlan:
     """Facts of the fleet minus the target: the per-device plan (patches are made as needed)."""
     facts = fleet.facts()
     releaser = Releaser(fleet.config)
-    hooks = frozenset() if rollback else _configured_hooks(fleet.config)
-    devices = []
+    patches: dict[str, Path] = {}
     for f in facts:
-        site = fleet.sites[f.name]
-        files = desired_files(fleet.config, site, systemd=f.systemd)
-        patches = {}
         base = artifact_in_store(fleet.config, f.model_sha256) if f.model_sha256 else None
         if base is not None and base.artifact_sha256 != target.artifact_sha256:
-            patches[base.artifact_sha256] = releaser.patch(base, target).stat().st_size
-        desired = DesiredState(
+            patches[base.artifact_sha256] = releaser.patch(base, target)
+    return make_fleet_plan(fleet.config, fleet.sites, facts, target, patches, rollback=rollback)
+
+
+def make_fleet_plan(
+    config: Config,
+    sites: Mapping[str, DeviceSite],
+    facts: Sequence[DeviceFacts],
+    target: Desired,
+    patches: Mapping[str, Path],
+    *,
+    rollback: bool = False,
+) -> FleetPlan:
+    """The plan for these facts: per device the files deploy.yaml renders for it and the patch
+    from its base (`patches`: base artifact sha256 -> patch file), then plan.make_plan."""
+    files = {f.name: desired_files(config, sites[f.name], systemd=f.systemd) for f in facts}
+    sizes = {base: path.stat().st_size for base, path in patches.items()}
+    hooks = _configured_hooks(config, rollback=rollback)
+    desired = {
+        f.name: DesiredState(
             version=target.version,
             artifact_sha256=target.artifact_sha256,
             artifact_bytes=target.artifact_bytes,
             agent_version=controller_agent_version(),
-            unit_hashes={path: sha256_bytes(data) for path, data in files.items()},
-            patches=patches,
+            unit_hashes={path: sha256_bytes(data) for path, data in files[f.name].items()},
+            patches={base: sizes[base] for base in (f.model_sha256,) if base in sizes},
             hooks=hooks,
         )
-        devices.append(plan_device(desired, f))
-    plan = Plan(target.version, target.artifact_sha256, tuple(devices), facts_digest(facts))
-    return FleetPlan(plan, tuple(facts), target)
-
-
-def _configured_hooks(config: Config) -> frozenset[str]:
-    hooks = config.hooks
-    return frozenset(
-        phase
-        for phase, hook in (("pre-deploy", hooks.pre_deploy), ("post-deploy", hooks.post_deploy))
-        if hook is not None
+        for f in facts
+    }
+    recipe = DeviceRecipe(
+        config=config,
+        sites=sites,
+        files=files,
+        patches=patches,
+        artifact_dir=target.artifact_dir,
+        artifact_files=tuple(
+            (p.name, p.stat().st_size) for p in sorted(target.artifact_dir.iterdir()) if p.is_file()
+        ),
     )
+    return FleetPlan(make_plan(desired, facts, recipe), tuple(facts), target)
+
+
+def _configured_hooks(config: Config, *, rollback: bool) -> frozenset[str]:
+    """The phases around the model steps that have a hook: deploy ones, or rollback ones."""
+    phases = ("pre-rollback", "post-rollback") if rollback else ("pre-deploy", "post-deploy")
+    return frozenset(p for p in phases if getattr(config.hooks, p.replace("-", "_")) is not None)
 
 
 def rollback_target(config: Config, to: str | None, current: Sequence[DeviceFacts]) -> Desired:
@@ -187,7 +208,7 @@ def rollback_target(config: Config, to: str | None, current: Sequence[DeviceFact
     )
 
 
-def prepare_releases(fleet: Fleet, fp: FleetPlan) -> dict[str, ReleaseFiles]:
+def prepare_releases(fleet: FleetSession, fp: FleetPlan) -> dict[str, ReleaseFiles]:
     """Sign (or reuse) the release each changing device needs; counters above every device's."""
     releaser = Releaser(fleet.config)
     floor = max((f.release_counter for f in fp.facts), default=0)
@@ -226,30 +247,34 @@ def _check_signed_enough(config: Config, manifest: Path) -> None:
 
 
 def apply_plan(
-    fleet: Fleet,
+    fleet: FleetSession,
     fp: FleetPlan,
     *,
     action: str = "apply",
     on_phase: OnPhase | None = None,
     project_dir: Path | None = None,
+    releases: Callable[[FleetSession, FleetPlan], Mapping[str, ReleaseFiles]] = prepare_releases,
+    executor: Callable[..., Executor] = Executor,
 ) -> RolloutReport:
     """Execute a plan under the fleet lock and record it in the audit log.
 
-    Raises SitsError when the lock is held or, with `strategy.offline: fail`, a device is offline
-    (nothing changed in either case). Ctrl-C: recorded, then KeyboardInterrupt propagates.
+    `releases` signs what the devices need (tests pass prepared files) and `executor` makes the
+    Executor (tests bind its seams). Raises SitsError when the lock is held or, with
+    `strategy.offline: fail`, a device is offline (nothing changed in either case). Ctrl-C:
+    recorded, then KeyboardInterrupt propagates.
     """
     decision = _offline_decision(fleet, fp)
     with FleetLock(fleet.sits_dir, action).held() as lock:
         if decision.refusal:
             raise SitsError(decision.refusal, hint="bring the devices back, or set strategy.offline: skip")
-        releases = prepare_releases(fleet, fp)
+        signed = releases(fleet, fp)
         wheel: Callable[[], Path] | None = None
         if project_dir is not None and (project_dir / "pyproject.toml").is_file():
 
             def wheel() -> Path:
                 return build_wheel(project_dir, fleet.sits_dir / "wheels")
 
-        executor = Executor(
+        runner = executor(
             fleet.config,
             fleet.sites,
             fleet.transport,
@@ -263,7 +288,7 @@ def apply_plan(
             "plan_digest": fp.plan.facts_digest,
         }
         try:
-            report = executor.run(fp.plan, {f.name: f for f in fp.facts}, releases, action=action)
+            report = runner.run(fp.plan, {f.name: f for f in fp.facts}, signed, action=action)
         except KeyboardInterrupt as exc:
             append_audit(fleet.sits_dir, {**record, **exc.report.to_dict()})  # type: ignore[attr-defined]
             raise
@@ -272,12 +297,12 @@ def apply_plan(
         return report
 
 
-def _offline_decision(fleet: Fleet, fp: FleetPlan) -> OfflineDecision:
+def _offline_decision(fleet: FleetSession, fp: FleetPlan) -> OfflineDecision:
     offline = [d.device for d in fp.plan.devices if d.status is DeviceStatus.OFFLINE]
     return decide_offline(fleet.config.strategy.offline, offline)
 
 
-def check_unchanged(fleet: Fleet, fp: FleetPlan) -> None:
+def check_unchanged(fleet: FleetSession, fp: FleetPlan) -> None:
     """For a plan with no changes: raise unless every device really matches.
 
     Offline devices (under `strategy.offline: fail`) and blocked ones have no steps either, so
@@ -292,7 +317,9 @@ def check_unchanged(fleet: Fleet, fp: FleetPlan) -> None:
 
 
 def _mark_skipped(report: RolloutReport, skipped: Sequence[str]) -> RolloutReport:
-    results = tuple(replace(r, status="skipped") if r.device in skipped else r for r in report.results)
+    results = tuple(
+        replace(r, status=ResultStatus.SKIPPED) if r.device in skipped else r for r in report.results
+    )
     return replace(report, results=results)
 
 
@@ -342,7 +369,7 @@ def check_plan_file(saved: Mapping[str, Any], fresh: FleetPlan) -> None:
 # -- status ------------------------------------------------------------------------------------------
 
 
-def fleet_status(fleet: Fleet) -> list[dict[str, Any]]:
+def fleet_status(fleet: FleetSession) -> list[dict[str, Any]]:
     """Per device: version, health, and its result in the last apply or rollback that touched it."""
     last: dict[str, dict[str, Any]] = {}
     for record in read_audit(fleet.sits_dir):

@@ -39,10 +39,10 @@ from typing import IO, Literal
 from deployer.config.models import Config
 from deployer.errors import HookError
 
-__all__ = ["PHASES", "HookContext", "HookResult", "Phase", "run_hook", "run_phase_hook"]
+__all__ = ["PHASES", "HookContext", "HookPhase", "HookResult", "run_hook", "run_phase_hook"]
 
-Phase = Literal["pre-deploy", "post-deploy", "pre-rollback", "post-rollback"]
-PHASES: tuple[Phase, ...] = ("pre-deploy", "post-deploy", "pre-rollback", "post-rollback")
+HookPhase = Literal["pre-deploy", "post-deploy", "pre-rollback", "post-rollback"]
+PHASES: tuple[HookPhase, ...] = ("pre-deploy", "post-deploy", "pre-rollback", "post-rollback")
 OUTPUT_LIMIT_BYTES = 64 * 1024
 TAIL_LINES = 10
 KILL_GRACE_S = 5.0
@@ -55,7 +55,7 @@ _POLL_S = 0.05
 class HookContext:
     """What a hook is told about the step it runs around."""
 
-    phase: Phase
+    phase: HookPhase
     device: str
     host: str
     to_version: str
@@ -80,7 +80,7 @@ class HookContext:
 class HookResult:
     """A hook that exited 0."""
 
-    phase: Phase
+    phase: HookPhase
     path: Path
     exit_code: int
     output: str

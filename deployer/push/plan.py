@@ -1,9 +1,16 @@
-"""The planner: desired state minus facts -> per-device steps, each with its reason.
+"""The planner: desired state minus facts -> per-device steps, each with its reason and actions.
 
 Pure: it takes data and returns data, performs no I/O and knows nothing of SSH. `plan` prints the
 `Plan` this module returns; `apply` executes that very object, so a dry run walks the same path
 as the real run. A device whose facts already match the desired state gets no steps, which is
 what makes a second `apply` report no changes.
+
+Each step carries the actions it will run, as data (as pyinfra's operations yield commands): the
+files it uploads, the shell commands it runs on the device, the hooks it runs here and the named
+agent operations (start or reload, the health gate) whose own requests are the agent's HTTP API.
+A `Recipe` (`deployer.push.operations`) writes them; the executor runs exactly these, so
+`plan -v` prints what `apply` runs. Two values are only known under the fleet lock, when the
+release is signed: its manifest (`RELEASE_MANIFEST`) and its counter (`RELEASE_COUNTER`).
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import enum
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import Protocol
 
 # The agent needs room for the staged payload plus the new version beside the old one.
 DISK_HEADROOM = 2.0
@@ -74,16 +82,66 @@ class DesiredState:
     agent_version: str
     unit_hashes: Mapping[str, str]
     patches: Mapping[str, int] = field(default_factory=dict)
-    hooks: frozenset[str] = frozenset()  # phases that have a hook configured
+    hooks: frozenset[str] = frozenset()  # phases that have a hook configured (pre-/post-deploy or -rollback)
+
+
+class ActionKind(enum.StrEnum):
+    """How the executor runs one action."""
+
+    PUT = "put"  # upload `source` (a controller file) to `target` (a device path), verified
+    RUN = "run"  # run the shell command `target` on the device; a non-zero exit fails the step
+    HOOK = "hook"  # run deploy.yaml's hook for phase `target` on the controller
+    CALL = "call"  # the executor's named operation `target` (see deployer.push.operations.CALLS)
+
+
+# A PUT source: the release manifest signed for this device when apply takes the lock.
+RELEASE_MANIFEST = "<signed release manifest>"
+# A PUT source: a file the controller renders from deploy.yaml; `sha256` pins its content.
+GENERATED = "<from deploy.yaml>"
+# In PUT targets and RUN commands: the counter of that release (its upload folder's name).
+RELEASE_COUNTER = "<release-counter>"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing a step does, as data: what `plan -v` prints is what `apply` runs."""
+
+    kind: ActionKind
+    target: str  # PUT: device path; RUN: shell command; HOOK: phase; CALL: operation name
+    source: str = ""  # PUT: controller path, RELEASE_MANIFEST or GENERATED; HOOK: the hook file
+    sha256: str = ""  # PUT of a GENERATED file: the content it must have
+    bytes: int = 0
+    timeout_s: float = 0.0
+    what: str = ""  # what it does, for messages
+
+    def describe(self) -> str:
+        """One line for `plan -v`."""
+        if self.kind is ActionKind.PUT:
+            pinned = f" sha256 {self.sha256[:12]}" if self.sha256 else ""
+            return f"put {self.source} -> {self.target} ({self.bytes:,} bytes{pinned})"
+        if self.kind is ActionKind.RUN:
+            return f"run {self.target}  (timeout {self.timeout_s:g}s)"
+        if self.kind is ActionKind.HOOK:
+            return f"hook {self.target}: {self.source}"
+        return f"call {self.target}: {self.what}"
+
+    def for_release(self, counter: int) -> Action:
+        """This action with the release counter filled in (what runs once the release is signed)."""
+        return replace(
+            self,
+            target=self.target.replace(RELEASE_COUNTER, str(counter)),
+            source=self.source.replace(RELEASE_COUNTER, str(counter)),
+        )
 
 
 @dataclass(frozen=True)
 class Step:
-    """One action on one device, and why it is needed."""
+    """One step on one device, why it is needed, and the actions it runs."""
 
     kind: StepKind
     reason: str
     bytes: int = 0
+    actions: tuple[Action, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +182,14 @@ class Plan:
         return data
 
 
+class Recipe(Protocol):
+    """Writes the actions of a step (pure: everything it needs was gathered before planning)."""
+
+    def actions(self, kind: StepKind, facts: DeviceFacts, desired: DesiredState) -> tuple[Action, ...]:
+        """The actions that run step `kind` on the device of `facts`."""
+        ...
+
+
 def facts_digest(facts: Sequence[DeviceFacts]) -> str:
     """A digest of the facts a plan depends on; `apply plan.json` refuses if it changed."""
     relevant = [
@@ -140,17 +206,31 @@ def facts_digest(facts: Sequence[DeviceFacts]) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 
-def make_plan(desired: DesiredState, facts: Sequence[DeviceFacts]) -> Plan:
-    """Plan every device; the order of `facts` is kept (it is the rollout order)."""
+def make_plan(
+    desired: DesiredState | Mapping[str, DesiredState],
+    facts: Sequence[DeviceFacts],
+    recipe: Recipe | None = None,
+) -> Plan:
+    """Plan every device; the order of `facts` is kept (it is the rollout order).
+
+    `desired` is one state for every device, or one per device name (their files differ); every
+    per-device state names the same target. Without a `recipe` the steps carry no actions (enough
+    to see what would change; the executor refuses such a plan).
+    """
+    per_device = desired if isinstance(desired, Mapping) else {f.name: desired for f in facts}
+    targets = {(d.version, d.artifact_sha256) for d in per_device.values()}
+    if len(targets) != 1:
+        raise ValueError(f"every device's desired state must name one target, got {sorted(targets)}")
+    ((version, sha256),) = targets
     return Plan(
-        target_version=desired.version,
-        target_sha256=desired.artifact_sha256,
-        devices=tuple(plan_device(desired, f) for f in facts),
+        target_version=version,
+        target_sha256=sha256,
+        devices=tuple(plan_device(per_device[f.name], f, recipe) for f in facts),
         facts_digest=facts_digest(facts),
     )
 
 
-def plan_device(desired: DesiredState, facts: DeviceFacts) -> DevicePlan:
+def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None = None) -> DevicePlan:
     """The steps that take one device from its facts to the desired state."""
     base = {"device": facts.name, "from_version": facts.model_version, "to_version": desired.version}
     if facts.refused:
@@ -175,6 +255,8 @@ def plan_device(desired: DesiredState, facts: DeviceFacts) -> DevicePlan:
     reason = next((s.reason for s in steps if s.kind in headline), steps[0].reason)
     if model_steps:
         steps = _with_hooks(desired, steps)
+    if recipe is not None:
+        steps = [replace(s, actions=recipe.actions(s.kind, facts, desired)) for s in steps]
     return DevicePlan(**base, status=DeviceStatus.CHANGE, reason=reason, steps=tuple(steps))
 
 
@@ -201,6 +283,9 @@ def _model_steps(desired: DesiredState, facts: DeviceFacts) -> list[Step] | str:
 
 
 def _with_hooks(desired: DesiredState, steps: list[Step]) -> list[Step]:
-    before = [Step(StepKind.PRE_DEPLOY_HOOK, "pre-deploy hook")] if "pre-deploy" in desired.hooks else []
-    after = [Step(StepKind.POST_DEPLOY_HOOK, "post-deploy hook")] if "post-deploy" in desired.hooks else []
+    """The hook steps around the model steps: deploy hooks, or rollback hooks for a fleet rollback."""
+    pre = sorted(p for p in desired.hooks if p.startswith("pre-"))
+    post = sorted(p for p in desired.hooks if p.startswith("post-"))
+    before = [Step(StepKind.PRE_DEPLOY_HOOK, f"{p} hook") for p in pre]
+    after = [Step(StepKind.POST_DEPLOY_HOOK, f"{p} hook") for p in post]
     return before + steps + after

@@ -79,9 +79,9 @@ def check_ring(
     config: Config, devices: tuple[Device, ...], artifact: Desired, *, parallel: int
 ) -> list[RingDevice]:
     """Each device's version and readiness, read over its transport, against `artifact`."""
-    from deployer.push.fleet import Fleet
+    from deployer.push.fleet import FleetSession
 
-    fleet = Fleet(config, devices, parallel)
+    fleet = FleetSession(config, devices, parallel)
     try:
         facts = fleet.facts()
     finally:

@@ -18,7 +18,7 @@ import pytest
 
 from deployer.config import load_config
 from deployer.push.bootstrap import desired_files, write_files
-from deployer.push.fleet import Fleet
+from deployer.push.fleet import FleetSession
 from tests.fleet.conftest import make_project
 from tests.lab.lab import Lab
 
@@ -39,7 +39,7 @@ def ssh_project(hub: Lab, tmp_path, tiny_model_dir):
 
 
 def test_facts_and_plan_over_ssh_bootstrap_and_units(ssh_project):
-    fleet = Fleet.select(load_config(ssh_project.config_path))
+    fleet = FleetSession.select(load_config(ssh_project.config_path))
     try:
         facts = fleet.facts()
     finally:
@@ -57,7 +57,7 @@ def test_facts_and_plan_over_ssh_bootstrap_and_units(ssh_project):
 
 def test_units_written_over_ssh_are_accepted_by_systemd(ssh_project):
     config = load_config(ssh_project.config_path)
-    fleet = Fleet.select(config, names=["dev1"])
+    fleet = FleetSession.select(config, names=["dev1"])
     site = fleet.sites["dev1"]
     transport = fleet.transport(site)
     try:

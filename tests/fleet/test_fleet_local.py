@@ -9,9 +9,11 @@ the devices themselves.
 from __future__ import annotations
 
 import json
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -41,6 +43,20 @@ def _report(result) -> dict:
     return json.loads(result.stdout)
 
 
+def _wait_for_line(lines: queue.Queue[str], prefix: str, deadline: float) -> None:
+    """Read lines until one starts with `prefix`; fail at `deadline` (monotonic seconds)."""
+    seen = []
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        seen.append(line)
+        if line.startswith(prefix):
+            return
+    pytest.fail(f"no line starting {prefix!r} in time; stderr so far:\n{''.join(seen)[-2000:]}")
+
+
 def _fail_on(project: Project, device: str | None) -> None:
     marker = project.dir / "hooks/fail-device"
     marker.write_text(device or "")
@@ -61,6 +77,10 @@ def test_plan_shows_steps_and_changes_nothing(project: Project):
         "post-deploy-hook",
     ]
     assert all(d["steps"][1]["bytes"] > 0 for d in plan["devices"])
+    verbose = project.cli("-v", "plan", "-f", str(project.config_path)).output  # what apply will run
+    assert "put <signed release manifest> -> /var/lib/sits/incoming/<release-counter>/release.json" in verbose
+    assert "deployer.agent.cli install --manifest" in verbose and "call health-gate" in verbose
+    assert "put <from deploy.yaml> -> /etc/sits/agent.yaml" in verbose
     assert _versions(project) == dict.fromkeys(DEVICES)  # nothing installed by plan
 
 
@@ -207,19 +227,21 @@ def test_blue_green_stages_every_device_then_switches(project: Project):
 
 def test_ctrl_c_leaves_each_device_on_a_known_version_and_a_rerun_continues(project: Project):
     project.write("2.0.0", strategy={"type": "rolling", "batch_size": 1, "pause": "10m"})
-    command = [sys.executable, "-c", "from deployer.cli.main import main; main()", "apply", "-f"]
+    # -v prints each device's phases on stderr; Ctrl-C once edge-a is done, in the 10 minute pause.
+    command = [sys.executable, "-c", "from deployer.cli.main import main; main()", "-v", "apply", "-f"]
     proc = subprocess.Popen(
-        [*command, str(project.config_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*command, str(project.config_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
+    reader.start()
     try:
-        deadline = time.monotonic() + 300
-        while _versions(project)["edge-a"] != "2.0.0" and time.monotonic() < deadline:
-            time.sleep(1)
-        time.sleep(2)  # edge-a's health gate and hook finish; the rollout pauses before edge-b
+        _wait_for_line(lines, "edge-a: done", deadline=time.monotonic() + 300)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130
     finally:
         proc.kill()
+        reader.join(timeout=10)
     last = read_audit(project.dir / ".sits")[-1]
     assert last["interrupted"] is True
     assert {r["device"]: r["status"] for r in last["results"]} == {

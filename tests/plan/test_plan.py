@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from deployer.push.plan import DesiredState, DeviceFacts, DeviceStatus, StepKind, make_plan, plan_device
+from deployer.push.plan import (
+    GENERATED,
+    RELEASE_COUNTER,
+    RELEASE_MANIFEST,
+    Action,
+    ActionKind,
+    DesiredState,
+    DeviceFacts,
+    DeviceStatus,
+    StepKind,
+    make_plan,
+    plan_device,
+)
 
 UNITS = {"sits-agent.service": "u1", "sits-rollback.service": "u2"}
 DESIRED = DesiredState(
@@ -100,3 +112,60 @@ def test_plan_has_changes_and_serializes() -> None:
     data = plan.to_dict()
     assert data["has_changes"] is True
     assert [d["status"] for d in data["devices"]] == ["unchanged", "change"]
+
+
+class _Recipe:
+    """A recipe that names each step's kind, to see that the planner asks for every step's actions."""
+
+    def actions(self, kind: StepKind, facts: DeviceFacts, desired: DesiredState) -> tuple[Action, ...]:
+        return (Action(ActionKind.RUN, f"echo {kind.value} on {facts.name}", timeout_s=5),)
+
+
+def test_every_step_carries_the_actions_its_recipe_writes() -> None:
+    plan = make_plan(DESIRED, [DeviceFacts(name="a", **CURRENT)], _Recipe())
+    (device,) = plan.devices
+    assert [s.actions[0].target for s in device.steps] == [f"echo {s.kind.value} on a" for s in device.steps]
+    assert plan.to_dict()["devices"][0]["steps"][1]["actions"][0]["kind"] == "run"  # saved with the plan
+
+
+def test_make_plan_takes_a_desired_state_per_device_of_one_target() -> None:
+    facts = [DeviceFacts(name="a", **CURRENT), DeviceFacts(name="b", **CURRENT)]
+    other_units = DesiredState(**{**DESIRED.__dict__, "unit_hashes": {"sits-agent.service": "changed"}})
+    plan = make_plan({"a": DESIRED, "b": other_units}, facts)
+    assert K.WRITE_UNITS not in [s.kind for s in plan.devices[0].steps]
+    assert K.WRITE_UNITS in [s.kind for s in plan.devices[1].steps]
+    with pytest.raises(ValueError, match="one target"):
+        make_plan({"a": DESIRED, "b": DesiredState(**{**DESIRED.__dict__, "version": "9"})}, facts)
+
+
+def test_rollback_hooks_wrap_the_model_steps_of_a_rollback_plan() -> None:
+    rollback = DesiredState(**{**DESIRED.__dict__, "hooks": frozenset({"pre-rollback", "post-rollback"})})
+    steps = plan_device(rollback, DeviceFacts(name="a", **CURRENT)).steps
+    assert [(s.kind, s.reason) for s in steps if "hook" in s.kind.value] == [
+        (K.PRE_DEPLOY_HOOK, "pre-rollback hook"),
+        (K.POST_DEPLOY_HOOK, "post-rollback hook"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("action", "line"),
+    [
+        (
+            Action(ActionKind.PUT, "/etc/sits/agent.yaml", GENERATED, "ab" * 32, 12),
+            "put <from deploy.yaml> -> /etc/sits/agent.yaml (12 bytes sha256 abababababab)",
+        ),
+        (
+            Action(ActionKind.RUN, "systemctl daemon-reload", timeout_s=60),
+            "run systemctl daemon-reload  (timeout 60s)",
+        ),
+        (Action(ActionKind.HOOK, "post-deploy", "/p/hooks/check.sh"), "hook post-deploy: /p/hooks/check.sh"),
+    ],
+)
+def test_actions_describe_themselves_in_one_line(action: Action, line: str) -> None:
+    assert action.describe() == line
+
+
+def test_the_release_counter_is_filled_in_at_apply() -> None:
+    put = Action(ActionKind.PUT, f"/var/lib/sits/incoming/{RELEASE_COUNTER}/release.json", RELEASE_MANIFEST)
+    assert put.for_release(7).target == "/var/lib/sits/incoming/7/release.json"
+    assert put.for_release(7).source == RELEASE_MANIFEST

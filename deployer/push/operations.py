@@ -1,0 +1,160 @@
+"""The actions of each plan step on a device: what `plan -v` prints and `apply` runs.
+
+In pyinfra's terms these are the operations: they read facts and yield commands, as data. The
+recipe is pure; everything it needs (the files deploy.yaml renders for each device, the patch for
+each base, the artifact's files) is gathered by `deployer.push.fleet` before planning.
+
+    write-units     put each managed file that differs; systemd devices: the service user, and
+                    daemon-reload when a unit changed; restart a running agent that serves a model
+    send-patch      put the signed release manifest and the patch into incoming/<counter>/
+    send-artifact   put the manifest and every artifact file
+    install         run `sits-agent install` (as the service user where the units are installed)
+    reload          call ensure-serving: start the agent, or have it reload onto the new version
+    health-gate     call health-gate: ready on the version, smoke prompts within the budget
+    *-hook          run deploy.yaml's hook for the phase, on the controller
+
+The named operations (`CALLS`) are the executor's; their requests are the agent's HTTP API or the
+bootstrap of the agent itself (deployer.push.bootstrap), whose commands depend on what the device
+answers while they run.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from deployer.config.models import Config
+from deployer.core.hashing import sha256_bytes
+from deployer.push.bootstrap import INCOMING, store_command
+from deployer.push.facts import DeviceSite
+from deployer.push.plan import (
+    GENERATED,
+    RELEASE_COUNTER,
+    RELEASE_MANIFEST,
+    Action,
+    ActionKind,
+    DesiredState,
+    DeviceFacts,
+    StepKind,
+)
+
+__all__ = ["CALLS", "DeviceRecipe", "release_dir"]
+
+# The executor's named operations, and what each does.
+CALLS = {
+    "install-agent": "create the agent's venv if needed and pip-install this controller's wheel",
+    "prepare-service-user": "create the units' system user and give it the store",
+    "restart-if-running": "restart the agent when it runs, so it reads the new files",
+    "ensure-serving": "start the agent, or reload it, until it serves the version",
+    "health-gate": "ready on the version, then every smoke prompt within the latency budget",
+}
+INSTALL_TIMEOUT_S = 900.0
+DAEMON_RELOAD_TIMEOUT_S = 60.0
+
+
+def release_dir() -> str:
+    """The device folder a release is uploaded to (named by its counter, filled in at apply)."""
+    return f"{INCOMING}/{RELEASE_COUNTER}"
+
+
+@dataclass(frozen=True)
+class DeviceRecipe:
+    """Writes every step's actions from data gathered before planning (see the module docstring).
+
+    `files` holds, per device, the content of every file the controller manages there;
+    `patches` the controller path of the patch from each base artifact sha256 to the target;
+    `artifact_files` the target artifact's files (name, size), in upload order.
+    """
+
+    config: Config
+    sites: Mapping[str, DeviceSite]
+    files: Mapping[str, Mapping[str, bytes]]
+    patches: Mapping[str, Path]
+    artifact_dir: Path
+    artifact_files: tuple[tuple[str, int], ...]
+
+    def actions(self, kind: StepKind, facts: DeviceFacts, desired: DesiredState) -> tuple[Action, ...]:
+        """The actions of step `kind` on the device of `facts` (see deployer.push.plan.Recipe)."""
+        site = self.sites[facts.name]
+        if kind is StepKind.BOOTSTRAP:
+            return (_call("install-agent", f"agent {desired.agent_version} for {site.python}"),)
+        if kind is StepKind.WRITE_UNITS:
+            return self._write_units(site, facts)
+        if kind is StepKind.SEND_PATCH:
+            base = facts.model_sha256 or ""
+            patch = Action(
+                ActionKind.PUT,
+                f"{release_dir()}/update.patch",
+                str(self.patches[base]),
+                bytes=desired.patches[base],
+            )
+            return (_manifest(), patch)
+        if kind is StepKind.SEND_ARTIFACT:
+            folder = f"{release_dir()}/artifact"
+            return (
+                _manifest(),
+                *(
+                    Action(ActionKind.PUT, f"{folder}/{name}", str(self.artifact_dir / name), bytes=size)
+                    for name, size in self.artifact_files
+                ),
+            )
+        if kind is StepKind.INSTALL:
+            return (self._install(site, facts, desired),)
+        if kind is StepKind.RELOAD:
+            return (_call("ensure-serving", f"serving {desired.version}"),)
+        if kind is StepKind.HEALTH_GATE:
+            return (_call("health-gate", f"ready on {desired.version}, smoke prompts within budget"),)
+        prefix = "pre-" if kind is StepKind.PRE_DEPLOY_HOOK else "post-"
+        return tuple(self._hook(phase) for phase in sorted(desired.hooks) if phase.startswith(prefix))
+
+    def _write_units(self, site: DeviceSite, facts: DeviceFacts) -> tuple[Action, ...]:
+        files = self.files[site.name]
+        changed = sorted(p for p, data in files.items() if facts.unit_hashes.get(p) != sha256_bytes(data))
+        actions = [
+            Action(ActionKind.PUT, path, GENERATED, sha256=sha256_bytes(files[path]), bytes=len(files[path]))
+            for path in changed
+        ]
+        if facts.systemd:
+            actions.append(_call("prepare-service-user", "user sits owns /var/lib/sits"))
+            if any(p.endswith(".service") for p in changed):
+                actions.append(
+                    Action(
+                        ActionKind.RUN,
+                        "systemctl daemon-reload",
+                        timeout_s=DAEMON_RELOAD_TIMEOUT_S,
+                        what=f"{site.name}: daemon-reload",
+                    )
+                )
+        if changed and facts.model_version:
+            actions.append(_call("restart-if-running", "the agent reads the new files"))
+        return tuple(actions)
+
+    def _install(self, site: DeviceSite, facts: DeviceFacts, desired: DesiredState) -> Action:
+        folder = release_dir()
+        patch = desired.patches.get(facts.model_sha256 or "") is not None
+        payload = ("--patch", f"{folder}/update.patch") if patch else ("--artifact", f"{folder}/artifact")
+        argv = site.agent(
+            "install", "--manifest", site.path(f"{folder}/release.json"), payload[0], site.path(payload[1])
+        )
+        return Action(
+            ActionKind.RUN,
+            store_command(site, argv),
+            timeout_s=INSTALL_TIMEOUT_S,
+            what=f"{site.name}: sits-agent install {desired.version}",
+        )
+
+    def _hook(self, phase: str) -> Action:
+        hook = getattr(self.config.hooks, phase.replace("-", "_"))
+        path = str(self.config.resolve(hook.path)) if hook is not None else ""
+        timeout = hook.timeout.total_seconds() if hook is not None else 0.0
+        return Action(ActionKind.HOOK, phase, path, timeout_s=timeout, what=f"{phase} hook")
+
+
+def _manifest() -> Action:
+    return Action(ActionKind.PUT, posixpath.join(release_dir(), "release.json"), RELEASE_MANIFEST)
+
+
+def _call(name: str, detail: str) -> Action:
+    return Action(ActionKind.CALL, name, what=f"{detail} ({CALLS[name]})")
