@@ -14,7 +14,6 @@ standard library and zstandard are used here; the device agent imports it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
@@ -24,7 +23,7 @@ from pathlib import Path, PurePosixPath
 
 import zstandard
 
-from deployer.core.canonical import canonical_json
+from deployer.core.canonical import canonical_json, parse_json
 from deployer.errors import FormatError, SitsError, UnsafePathError
 
 FORMAT_VERSION = 2
@@ -320,10 +319,7 @@ def parse_header(raw: bytes, *, where: str = "patch") -> PatchHeader:
     """Validate header JSON bytes into a PatchHeader. Raises FormatError or UnsafePathError."""
     if len(raw) > MAX_HEADER_BYTES:
         raise FormatError(f"{where}: header is larger than {MAX_HEADER_BYTES} bytes")
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise FormatError(f"{where}: header is not valid JSON ({exc})") from exc
+    doc = parse_json(raw, f"{where}: header")
     _keys(doc, {"format", "format_version", "base", "streams", "targets"}, where)
     if doc["format"] != "sits-patch" or doc["format_version"] != FORMAT_VERSION:
         raise FormatError(
