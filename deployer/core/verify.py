@@ -25,7 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -83,8 +83,11 @@ def load_public_key(pem: bytes, where: str) -> tuple[str, ec.EllipticCurvePublic
     """Parse a P-256 public key PEM; return (key id, key). Raises KeyFileError."""
     try:
         key = serialization.load_pem_public_key(pem)
-    except (ValueError, TypeError) as exc:
-        raise KeyFileError(f"{where}: not a PEM public key ({exc})") from exc
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise KeyFileError(
+            f"{where}: not a PEM public key ({type(exc).__name__})",
+            hint="a trusted key is the .pub file sits-deployer keygen writes; replace or remove this one",
+        ) from exc
     if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
         raise KeyFileError(f"{where}: not an ECDSA P-256 public key", hint="use sits-deployer keygen")
     return key_id(key), key
@@ -99,12 +102,26 @@ def read_key_file(path: Path) -> bytes:
         raise KeyFileError(f"{path}: cannot read the key: {exc.strerror or exc}") from exc
 
 
-def load_trusted_keys(paths: Iterable[Path], threshold: int = 1) -> TrustedKeys:
-    """Read public key files into a TrustedKeys. Raises KeyFileError."""
+def load_trusted_keys(
+    paths: Iterable[Path], threshold: int = 1, *, on_bad: Callable[[KeyFileError], None] | None = None
+) -> TrustedKeys:
+    """Read public key files into a TrustedKeys. Raises KeyFileError.
+
+    With `on_bad`, a file that is not a usable key is handed to it (its error names the file) and
+    left out instead: fewer keys can only make fewer releases valid.
+    """
     keys: dict[str, ec.EllipticCurvePublicKey] = {}
     for path in paths:
-        kid, key = load_public_key(read_key_file(path), str(path))
+        try:
+            kid, key = load_public_key(read_key_file(path), str(path))
+        except KeyFileError as exc:
+            if on_bad is None:
+                raise
+            on_bad(exc)
+            continue
         keys[kid] = key
+    if not keys:
+        raise KeyFileError("none of the trusted key files holds a usable key", hint=KEY_HINT)
     return TrustedKeys(keys, threshold)
 
 
