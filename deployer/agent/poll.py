@@ -183,17 +183,31 @@ class Channel:
         return (release, delta) if release is not None and delta is not None else None
 
     def download(self, info: TargetFile) -> Path:
-        """Download one target (resumable) and check its TUF length and hashes; return its path."""
+        """Download one target (resumable) and check its TUF length and hashes; return its path.
+
+        The whole file is hashed, from its first byte, resumed or not. A file that fails is
+        deleted, so the next poll starts it afresh instead of resuming a rejected one forever.
+        """
         directory, _, name = info.path.rpartition("/")
         digest = info.hashes["sha256"]
         url = f"{self.url}/targets/{directory}/{digest}.{name}"
         done = self.downloads / digest / check_relative_path(name, info.path)
-        if not done.is_file():
-            part = self.fetcher.download(url, done.with_name(name + ".part"), info.length)
-            with part.open("rb") as f, _tuf_errors_as_ours(url):
-                info.verify_length_and_hashes(f)
-            part.replace(done)
+        if done.is_file():
+            self._verified(done, info, url)
+            return done
+        self._verified(self.fetcher.download(url, done.with_name(name + ".part"), info.length), info, url)
+        done.with_name(name + ".part").replace(done)
         return done
+
+    @staticmethod
+    def _verified(path: Path, info: TargetFile, url: str) -> None:
+        """Check `path` against its signed TUF entry; delete it when it does not match."""
+        try:
+            with path.open("rb") as f, _tuf_errors_as_ours(url):
+                info.verify_length_and_hashes(f)
+        except SitsError:
+            path.unlink(missing_ok=True)
+            raise
 
     def download_artifact(self, manifest: Path) -> Path:
         """The artifact's files, each named by the release and hashed against the TUF targets,

@@ -41,6 +41,7 @@ __all__ = [
     "DeviceState",
     "DeviceStore",
     "HistoryEntry",
+    "InProgress",
     "Pointer",
     "PointerSwitch",
     "RecoveryReport",
@@ -81,7 +82,21 @@ class VersionRecord(_Model):
 
     release: Release
     installed_at: str
-    failed: bool = False  # left by a self-rollback; never chosen again automatically
+    # Left by a self-rollback (OnFailure): rollback never goes to a failed version; only a new
+    # signed release of it clears the mark.
+    failed: bool = False
+
+
+class InProgress(_Model):
+    """The install under way: accepted (its counter is the floor) but not yet served.
+
+    A crash retry is recognised only by these: the same version, counter and sha256 of the signed
+    bytes. Cleared once the server serves it or refused it, so no replay finds it later.
+    """
+
+    version: str
+    counter: int
+    signed_sha256: str
 
 
 class HistoryEntry(_Model):
@@ -117,6 +132,7 @@ class DeviceState(_Model):
     versions: dict[str, VersionRecord] = Field(default_factory=dict)
     history: tuple[HistoryEntry, ...] = ()
     pending: PointerSwitch | None = None
+    in_progress: InProgress | None = None
 
     def with_event(self, entry: HistoryEntry) -> DeviceState:
         """A copy with `entry` appended to the history, oldest entries dropped past the limit."""

@@ -3,11 +3,13 @@
 install, step by step (each name is reported to `on_step` after it is done)::
 
     recovered      staging/ emptied, state.json made to agree with `current` (after a crash)
-    verified       release signatures (k of n trusted keys), expiry, counter, base; patch length+hash
+    verified       release signatures (k of n trusted keys), expiry, counter, base; patch length,
+                   hash and header targets (against the signed file list); disk space
     staged         patch applied / artifact copied into staging/, every file hashed against the release
     promoted       staging dir renamed to versions/<v> (fsynced): complete or absent, never partial
-    recorded       state.json: the release (its counter becomes the anti-rollback floor) and the
-                   pointer change about to be made (`pending`, a one-entry journal)
+    recorded       state.json: the release (its counter becomes the anti-rollback floor), the
+                   install in progress (`in_progress`) and the pointer change about to be made
+                   (`pending`, a one-entry journal)
     previous-set   `previous` -> the version serving until now
     current-set    `current` -> the new version (one atomic rename of a symlink)
     state-written  state.json says the new version is installed; `pending` cleared
@@ -15,16 +17,21 @@ install, step by step (each name is reported to `on_step` after it is done)::
 
 Up to `current-set`, a crash leaves `current` on the old version; from there, on the new one, which
 was verified and promoted before. Once `recorded`, the next start (or operation) finishes the
-journaled pointer change. A retry of the same release after a crash is recognised (its release is
-already recorded for that version) and finishes the job, reloading the server if it is still on
-the old version, instead of failing as a replay. Rollback goes through the same switch, only to a
-version whose release is recorded, after re-hashing its files.
+journaled pointer change. A retry after a crash is recognised only as the exact signed release
+recorded in progress (same signed bytes) and finishes the job, reloading the server if it is
+still on the old version; `in_progress` is cleared once the server serves the version (or refused
+it), so any later send of that release, like any release at or below the counter floor, is a
+replay and refused. A refused install changes nothing on disk: state.json is not rewritten (the
+journal has the reason). A version the server refuses leaves versions/. Rollback goes through the
+same switch, only to a recorded version that never failed, after re-hashing its files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import logging
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +43,7 @@ from deployer.agent.store import (
     DeviceState,
     DeviceStore,
     HistoryEntry,
+    InProgress,
     PointerSwitch,
     RecoveryReport,
     VersionRecord,
@@ -43,14 +51,15 @@ from deployer.agent.store import (
     utc_now,
 )
 from deployer.core.hashing import sha256_file
-from deployer.core.patch_apply import apply_patch, inside
+from deployer.core.patch_apply import inside
 from deployer.core.patch_format import check_relative_path
 from deployer.core.release import Envelope, Release, parse_release, read_envelope
 from deployer.core.verify import (
     Installed,
+    TrustedKeys,
+    apply_release_patch,
     load_trusted_keys,
     verify_artifact_dir,
-    verify_patch_file,
     verify_release,
 )
 from deployer.errors import AgentError, KeyFileError, ReplayError, SitsError
@@ -76,6 +85,7 @@ INSTALL_STEPS = (
     "reloaded",
 )
 Action = Literal["install", "rollback", "self-rollback"]
+_log = logging.getLogger("sits.agent")
 
 
 @dataclass(frozen=True)
@@ -153,75 +163,125 @@ class Updater:
             self.store.recover()
             self.on_step("recovered")
             state = self.store.read_state()
-            version = None
             try:
-                release = self._verified_release(read_envelope(manifest), state)
+                envelope = read_envelope(manifest)
+                release, retry = self._verified_release(envelope, state)
                 version = check_version_name(release.model.version)
-                return self._install(state, release, version, patch, artifact)
+                if retry:
+                    return self._finish_retry(state, release, version)
+                staged = (
+                    None
+                    if self.store.version_dir(version).exists()
+                    else self._stage(release, version, patch, artifact)
+                )
             except SitsError as exc:
-                self._record_failure("install", version, exc)
+                # Refused before anything changed: the store stays byte-identical (state.json
+                # is not rewritten); the journal has the reason.
+                _log.warning("install refused (store unchanged): %s", exc.message)
                 raise
+            return self._install(state, release, version, staged, _sha256(envelope))
 
     def _install(
-        self,
-        state: DeviceState,
-        release: Release,
-        version: str,
-        patch: Path | None,
-        artifact: Path | None,
+        self, state: DeviceState, release: Release, version: str, staged: Path | None, signed_sha256: str
     ) -> InstallResult:
         current = self.store.current_version()
-        if patch is not None and not self.store.version_dir(version).exists():
-            verify_patch_file(patch, release)
-        self.on_step("verified")
-        record = state.versions.get(version)
-        if current == version and record is not None and record.release == release:
-            # A retry after a crash may find the server still on the old version: make sure.
-            outcome = self._ensure_served(
-                version, "install", back_to=self.store.previous_version(), back_previous=None
-            )
-            return InstallResult(version, current, release.artifact.sha256, release.counter, False, outcome)
-        if self.store.version_dir(version).exists():
-            self._check_on_disk(version, release)  # promoted before a crash: finish that install
-        else:
-            staged = self._stage(release, version, patch, artifact)
-            self.on_step("staged")
-            self.store.promote(staged, version)
-        self.on_step("promoted")
+        try:
+            if staged is None:
+                self._check_on_disk(version, release)  # promoted before a crash: finish that install
+            else:
+                self.store.promote(staged, version)
+            self.on_step("promoted")
+        except SitsError as exc:
+            self._record_failure("install", version, exc)
+            raise
         record = VersionRecord(release=release, installed_at=utc_now())
         state = state.model_copy(
             update={
                 "versions": {**state.versions, version: record},
                 "release_counter": max(state.release_counter, release.counter),
+                "in_progress": InProgress(
+                    version=version, counter=release.counter, signed_sha256=signed_sha256
+                ),
             }
         )
         outcome = self._activate(state, version, "install", f"release counter {release.counter}")
+        self._done(version)
         return InstallResult(version, current, release.artifact.sha256, release.counter, True, outcome)
 
-    def _verified_release(self, envelope: Envelope, state: DeviceState) -> Release:
-        keys = self.store.trusted_key_files()
-        if not keys:
+    def _finish_retry(self, state: DeviceState, release: Release, version: str) -> InstallResult:
+        """The install in progress when the agent was interrupted, sent again: finish it."""
+        current = self.store.current_version()
+        self._check_on_disk(version, release)
+        if current == version:
+            # The pointers moved; the server may still be on the old version: make sure.
+            outcome = self._ensure_served(
+                version, "install", back_to=self.store.previous_version(), back_previous=None
+            )
+        else:
+            outcome = self._activate(state, version, "install", f"release counter {release.counter} (retry)")
+        self._done(version)
+        return InstallResult(
+            version, current, release.artifact.sha256, release.counter, current != version, outcome
+        )
+
+    def _done(self, version: str) -> None:
+        """The install of `version` is complete (served): no retry of it is accepted any more."""
+        state = self.store.read_state()
+        if state.in_progress is not None and state.in_progress.version == version:
+            self.store.write_state(state.model_copy(update={"in_progress": None}))
+
+    def _verified_release(self, envelope: Envelope, state: DeviceState) -> tuple[Release, bool]:
+        """The release if it may be installed, and whether it is a crash retry of the one in progress.
+
+        A release at (not above) the counter floor is accepted only as the exact signed release
+        recorded in progress: same version, counter and signed bytes. Anything else below or at
+        the floor is a replay, refused, however recently it was installed.
+        """
+        trusted = self._trusted_keys()
+        installed = Installed(state.release_counter, state.artifact_sha256)
+        try:
+            return verify_release(envelope, trusted, now=self.clock(), installed=installed), False
+        except ReplayError:
+            release = parse_release(envelope.signed, "release manifest")
+            progress = state.in_progress
+            if progress is not None and (progress.version, progress.counter, progress.signed_sha256) == (
+                release.model.version,
+                release.counter,
+                _sha256(envelope),
+            ):
+                return release, True
+            raise
+
+    def _trusted_keys(self) -> TrustedKeys:
+        """The device's trusted keys. A key file that does not parse is skipped with a warning
+        naming it: it can only narrow trust, never widen it, and refusing would let one stray
+        file stop every update. Raises KeyFileError when too few usable keys remain."""
+        files = self.store.trusted_key_files()
+        if not files:
             raise KeyFileError(
                 f"no trusted release keys in {self.store.keys_dir}",
                 hint="install the release public key(s) there as *.pub files",
             )
-        trusted = load_trusted_keys(keys, self.store.signature_threshold())
-        installed = Installed(state.release_counter, state.artifact_sha256)
+        skipped: list[str] = []
+
+        def skip(exc: KeyFileError) -> None:
+            _log.warning("trusted key skipped: %s", exc.message)
+            skipped.append(exc.message)
+
+        threshold = self.store.signature_threshold()
         try:
-            return verify_release(envelope, trusted, now=self.clock(), installed=installed)
-        except ReplayError:
-            # Signatures and expiry passed (they are checked first). The very release already
-            # recorded for its version is a retry after a crash or a lost answer, not a replay.
-            release = parse_release(envelope.signed, "release manifest")
-            record = state.versions.get(release.model.version)
-            if record is not None and record.release == release:
-                return release
-            raise
+            return load_trusted_keys(files, threshold, on_bad=skip)
+        except KeyFileError as exc:
+            if not skipped:
+                raise
+            raise KeyFileError(
+                f"{exc.message}; unusable key files in {self.store.keys_dir}: {'; '.join(skipped)}",
+                hint="replace or remove the unusable .pub files (sits-deployer keygen writes them)",
+            ) from exc
 
     def _stage(self, release: Release, version: str, patch: Path | None, artifact: Path | None) -> Path:
         staged = self.store.new_staging_dir(f"install-{version}")
         try:
-            self._check_space(release)
             if patch is not None:
                 base = self.store.current_version_dir()
                 if base is None:
@@ -229,11 +289,24 @@ class Updater:
                         "a patch needs an installed base version, and none is installed",
                         hint="install the full artifact (--artifact) first",
                     )
-                apply_patch(patch, base, staged)
+                # The disk-space check runs on the patch header's target sizes, which must
+                # equal the signed ones, before anything is written.
+                apply_release_patch(
+                    release,
+                    patch,
+                    base,
+                    staged,
+                    before_write=lambda header: self._check_space(
+                        release, sum(t.size for t in header.targets)
+                    ),
+                )
             else:
                 assert artifact is not None
+                self._check_space(release, sum(f.size for f in release.artifact.files.values()))
                 _copy_release_files(release, artifact, staged)
             verify_artifact_dir(staged, release)
+            self.on_step("verified")
+            self.on_step("staged")
         except OSError as exc:
             shutil.rmtree(staged, ignore_errors=True)
             raise _disk_error(exc, self.store.staging_dir, version) from exc
@@ -242,8 +315,7 @@ class Updater:
             raise
         return staged
 
-    def _check_space(self, release: Release) -> None:
-        needed = sum(f.size for f in release.artifact.files.values())
+    def _check_space(self, release: Release, needed: int) -> None:
         free = shutil.disk_usage(self.store.staging_dir).free
         if needed > free:
             raise AgentError(
@@ -304,8 +376,11 @@ class Updater:
             state = self.store.read_state()
             self._check_on_disk(target, _recorded_release(state, target, self._on_disk()))
             if state.versions[target].failed:
-                record = state.versions[target].model_copy(update={"failed": False})
-                state = state.model_copy(update={"versions": {**state.versions, target: record}})
+                raise AgentError(
+                    f"version {target} failed on this device and is never rolled back to",
+                    hint="install a new signed release of it (a higher counter) if it is fixed; "
+                    f"healthy versions on disk: {self._healthy(state)}",
+                )
             outcome = self._activate(state, target, action, reason)
         except SitsError as exc:
             self._record_failure(action, target, exc)
@@ -361,10 +436,21 @@ class Updater:
         )
         self.store.write_state(self.store.read_state().model_copy(update={"pending": change}))
         self.store.switch(change)
+        self._unpromote(version)
         raise AgentError(
             f"the server refused version {version}: {outcome.detail}; still serving {back_to}",
             hint=f"`current` points back to {back_to}; see `sits-agent status` and the journal",
         )
+
+    def _unpromote(self, version: str) -> None:
+        """A version the server refused leaves versions/: no rollback can pick it, and the install
+        in progress ends (a replay of its release is refused). The counter floor stays where the
+        release put it (docs/security-model.md says why)."""
+        state = self.store.read_state()
+        versions = {v: r for v, r in state.versions.items() if v != version}
+        self.store.write_state(state.model_copy(update={"versions": versions, "in_progress": None}))
+        if version not in (self.store.current_version(), self.store.previous_version()):
+            self.store.remove_version(version)
 
     def _check_on_disk(self, version: str, release: Release) -> None:
         directory = self.store.version_dir(version)
@@ -386,8 +472,19 @@ class Updater:
         except SitsError:
             pass  # e.g. the disk is full: the caller's error is the one to report, not this one
 
+    def _healthy(self, state: DeviceState) -> str:
+        healthy = [
+            v for v in self.store.installed_versions() if v in state.versions and not state.versions[v].failed
+        ]
+        return ", ".join(healthy) or "none"
+
     def _on_disk(self) -> str:
         return ", ".join(self.store.installed_versions()) or "none"
+
+
+def _sha256(envelope: Envelope) -> str:
+    """sha256 of the bytes the signatures cover: what "the exact same signed release" means."""
+    return hashlib.sha256(envelope.signed_bytes()).hexdigest()
 
 
 def _recorded_release(state: DeviceState, version: str, on_disk: str) -> Release:

@@ -25,6 +25,11 @@ from deployer.config.sourcemap import SourceMap
 from deployer.config.yamlpos import load_yaml
 from deployer.errors import ConfigError
 
+# deploy.yaml and the inventory are refused past this size before they are parsed: a 10,000-device
+# inventory is about 1 MiB, and parsing is what a huge file would exhaust.
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+MAX_CONFIG_BYTES_ENV = "SITS_MAX_CONFIG_BYTES"
+
 # The sections the checks look at, by field name; the fleet is merged with its inventory first.
 _CHECKED_SECTIONS = ("model", "signing", "profiles", "strategy", "resources", "hooks", "agent")
 
@@ -95,11 +100,34 @@ def read_config(path: Path, environ: Mapping[str, str]) -> LoadResult:
     return LoadResult(merged, [])
 
 
+def max_config_bytes(environ: Mapping[str, str]) -> int:
+    """The size limit for deploy.yaml and the inventory: $SITS_MAX_CONFIG_BYTES, else 4 MiB.
+    A value that is not a positive whole number is ignored (the default applies)."""
+    value = environ.get(MAX_CONFIG_BYTES_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else MAX_CONFIG_BYTES
+
+
 def _read_document(path: Path, environ: Mapping[str, str]) -> tuple[_Document | None, list[Finding]]:
     """The parsed, interpolated file and its findings; None when it could not be parsed."""
     file = str(path)
+    limit = max_config_bytes(environ)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            raw = f.read(limit + 1)
+        if len(raw) > limit:
+            return None, [
+                Finding(
+                    file,
+                    1,
+                    1,
+                    "<file>",
+                    f"the file is larger than the limit of {limit} bytes ({limit / 2**20:.1f} MiB); "
+                    "it was not parsed",
+                    f"split the fleet into several projects, or raise the limit with "
+                    f"{MAX_CONFIG_BYTES_ENV}=<bytes>",
+                )
+            ]
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         return None, [Finding(file, 1, 1, "<file>", "file not found", "check the path")]
     except (OSError, UnicodeDecodeError) as exc:
@@ -142,8 +170,7 @@ def _inventory_devices(
         return None, [document.values.redact(f) for f in findings + errors]
     inline = fleet.get("devices")
     offset = len(inline) if isinstance(inline, list) else 0
-    for index in range(len(inventory.devices)):
-        positions.graft(document.positions, ("devices", index), ("fleet", "devices", offset + index))
+    positions.graft_items(document.positions, ("devices",), ("fleet", "devices"), offset)
     return list(inventory.devices), [document.values.redact(f) for f in findings]
 
 

@@ -6,12 +6,12 @@ can read manifests with it and the build spec can share its scheme names cheaply
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from deployer.core.canonical import parse_json
 from deployer.errors import FormatError
 
 MANIFEST_NAME = "sits-manifest.json"
@@ -136,10 +136,9 @@ class ArtifactManifest(_Strict):
 
 def parse_manifest(data: bytes, where: str) -> ArtifactManifest:
     """Parse manifest bytes; raises FormatError naming `where` and the first problem."""
+    doc = parse_json(data, where)
     try:
-        return ArtifactManifest.model_validate(json.loads(data.decode("utf-8")))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{where}: not valid JSON ({exc})") from exc
+        return ArtifactManifest.model_validate(doc)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])

@@ -1,12 +1,22 @@
 """Apply a sits patch to a base directory, streamed, into a staging directory the caller gives.
 
-Order: header validated (patch_format) -> whole-patch checksum -> every base file's size and sha256
--> each target file rebuilt block by block into a temp file, fsynced, its sha256 compared with the
-header's, then renamed into place -> every payload stream read to its exact end. The payload streams
-are decoded side by side, each segment taking its bytes from its own stream. Memory stays at a few
-BLOCK_BYTES blocks plus one decoder per stream (bsdiff and zstd_base segments, which the header
-caps, are decoded whole). On any failure every file this call wrote is removed.
-Only the standard library, numpy, zstandard and bsdiff4 are used: the device agent imports this.
+The patch is opened once (`open_patch`) and everything reads that one open file: its length, its
+sha256 (for the signed release) and trailing checksum in one pass, the header, the payload. A
+writer of the upload directory who swaps the file afterwards changes nothing we read.
+
+Order: header validated (patch_format) -> whole-patch checksum -> the header's target files
+against what the caller expects (the signed release: same names, sizes and sha256) and its
+`before_write` check (disk space) -> every base file's size and sha256 -> each target file rebuilt
+block by block into a temp file, never past its declared size, fsynced, its sha256 compared with
+the header's, then renamed into place -> every payload stream read to its exact end. The payload
+streams are decoded side by side, each segment taking its bytes from its own stream.
+
+Memory stays bounded whatever the patch says: a few BLOCK_BYTES blocks, one decoder per stream,
+and for a bsdiff or zstd_base segment (at most MAX_WHOLE_BYTES, header-checked) its stream bytes
+plus, for zstd_base, its base range. bsdiff's control, diff and extra blocks are decompressed
+incrementally, each never past what the segment still needs. On any failure every file this call
+wrote is removed. Only the standard library, numpy and zstandard are used: the device agent
+imports this.
 """
 
 from __future__ import annotations
@@ -18,12 +28,11 @@ import os
 import stat
 import struct
 import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-import bsdiff4.core
 import numpy as np
 import zstandard
 
@@ -36,12 +45,13 @@ from deployer.core.patch_format import (
     ZSTD_MAX_WINDOW,
     Codec,
     Coder,
+    FileRef,
     PatchHeader,
     Segment,
     Stream,
     TargetFile,
     payload_start,
-    read_header,
+    read_header_from,
 )
 from deployer.errors import (
     BaseMismatchError,
@@ -72,25 +82,119 @@ class AppliedPatch:
     files: tuple[AppliedFile, ...]
 
 
-def apply_patch(patch: Path, base_dir: Path, out_dir: Path) -> AppliedPatch:
+@dataclass
+class PatchFile:
+    """One open patch file: what is hashed is what is applied."""
+
+    file: BinaryIO
+    path: Path
+    size: int
+    _digests: tuple[str, str] | None = field(default=None, repr=False)
+
+    def sha256(self) -> str:
+        """sha256 of the whole file (what a release signs), computed once."""
+        return self._hash()[0]
+
+    def check_checksum(self) -> None:
+        """Compare the trailing sha256 with the bytes before it. Raises HashMismatchError."""
+        if self.size < TRAILER_BYTES or self._hash()[1] != self._trailer():
+            raise HashMismatchError(
+                f"{self.path}: checksum mismatch (the patch is corrupt or was altered)",
+                hint="make or download the patch again",
+            )
+
+    def _hash(self) -> tuple[str, str]:
+        """(sha256 of everything, sha256 of everything but the trailer), in one read."""
+        if self._digests is None:
+            whole, body = hashlib.sha256(), hashlib.sha256()
+            body_end = max(self.size - TRAILER_BYTES, 0)
+            self.file.seek(0)
+            pos = 0
+            while chunk := self.file.read(CHUNK):
+                whole.update(chunk)
+                if pos < body_end:
+                    body.update(chunk[: body_end - pos])
+                pos += len(chunk)
+            if pos != self.size:
+                raise FormatError(f"{self.path}: changed size while it was read")
+            self._digests = whole.hexdigest(), body.hexdigest()
+        return self._digests
+
+    def _trailer(self) -> str:
+        self.file.seek(self.size - TRAILER_BYTES)
+        return self.file.read(TRAILER_BYTES).hex()
+
+
+@contextlib.contextmanager
+def open_patch(path: Path) -> Iterator[PatchFile]:
+    """Open the patch at `path` once, refusing symlinks and anything but a regular file.
+
+    Raises FormatError (cannot read) or UnsafePathError.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == 40:  # ELOOP: the last component is a symlink
+            raise UnsafePathError(f"{path}: the patch is a symlink; refusing to follow it") from exc
+        raise FormatError(f"{path}: cannot read the patch: {exc.strerror or exc}") from exc
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafePathError(f"{path}: the patch is not a regular file")
+        yield PatchFile(f, path, info.st_size)
+
+
+# What a caller expects of the target files: {path: (sha256, size)}, e.g. the signed release's.
+Expected = Mapping[str, FileRef]
+
+
+def apply_patch(
+    patch: Path,
+    base_dir: Path,
+    out_dir: Path,
+    *,
+    expect: Expected | None = None,
+    before_write: Callable[[PatchHeader], None] | None = None,
+) -> AppliedPatch:
     """Rebuild the target artifact from `base_dir` and `patch` into the existing dir `out_dir`.
 
-    Raises FormatError (malformed or truncated patch), HashMismatchError (corrupt patch or an
-    output that does not match), BaseMismatchError (base files differ from those the patch was
-    made for), UnsafePathError (names escaping a directory, symlinks). Writes nothing outside
-    `out_dir`; on failure removes what it wrote.
+    Raises what apply_open_patch raises.
     """
-    header, header_len = read_header(patch)
-    check_patch_checksum(patch)
+    with open_patch(patch) as pf:
+        return apply_open_patch(pf, base_dir, out_dir, expect=expect, before_write=before_write)
+
+
+def apply_open_patch(
+    pf: PatchFile,
+    base_dir: Path,
+    out_dir: Path,
+    *,
+    expect: Expected | None = None,
+    before_write: Callable[[PatchHeader], None] | None = None,
+) -> AppliedPatch:
+    """Rebuild the target artifact from `base_dir` and the open patch `pf` into `out_dir`.
+
+    `expect` (the signed file list) must match the header's targets exactly before anything is
+    written; `before_write` sees the validated header first (e.g. to check disk space).
+    Raises FormatError (malformed or truncated patch, targets other than expected),
+    HashMismatchError (corrupt patch or an output that does not match), BaseMismatchError (base
+    files differ from those the patch was made for), UnsafePathError (names escaping a directory,
+    symlinks). Writes nothing outside `out_dir`; on failure removes what it wrote.
+    """
+    header, header_len = read_header_from(pf.file, pf.size, pf.path)
+    pf.check_checksum()
+    if expect is not None:
+        check_targets(header, expect, str(pf.path))
+    if before_write is not None:
+        before_write(header)
     check_base(header, base_dir)
     _check_dir(out_dir, "output directory")
     written: list[Path] = []
     try:
-        with patch.open("rb") as pf:
-            streams = _open_streams(header, pf, payload_start(header_len), str(patch))
-            files = tuple(_write_target(t, streams, base_dir, out_dir, written) for t in header.targets)
-            for stream in streams:
-                stream.check_end()
+        streams = _open_streams(header, pf.file, payload_start(header_len), str(pf.path))
+        files = tuple(_write_target(t, streams, base_dir, out_dir, written) for t in header.targets)
+        for stream in streams:
+            stream.check_end()
     except BaseException:
         for path in written:
             path.unlink(missing_ok=True)
@@ -98,18 +202,24 @@ def apply_patch(patch: Path, base_dir: Path, out_dir: Path) -> AppliedPatch:
     return AppliedPatch(files)
 
 
-def check_patch_checksum(patch: Path) -> None:
-    """Compare the patch's trailing sha256 with its contents. Raises HashMismatchError."""
-    size = patch.stat().st_size
-    actual = sha256_file(patch, length=size - TRAILER_BYTES)
-    with patch.open("rb") as f:
-        f.seek(size - TRAILER_BYTES)
-        declared = f.read(TRAILER_BYTES).hex()
-    if actual != declared:
-        raise HashMismatchError(
-            f"{patch}: checksum mismatch (the patch is corrupt or was altered)",
-            hint="make or download the patch again",
+def check_targets(header: PatchHeader, expect: Expected, where: str) -> None:
+    """The header's target files are exactly `expect`: names, sizes and sha256. Raises FormatError."""
+    targets = {t.path: FileRef(t.sha256, t.size) for t in header.targets}
+    missing, extra = sorted(set(expect) - set(targets)), sorted(set(targets) - set(expect))
+    if missing or extra:
+        raise FormatError(
+            f"{where}: the patch writes other files than the release lists (missing {missing}, "
+            f"unexpected {extra}); nothing was written",
+            hint="the patch is for another release; make it again for this one",
         )
+    for name, want in sorted(expect.items()):
+        got = targets[name]
+        if got != want:
+            raise FormatError(
+                f"{where}: the patch declares {name} as {got.size} bytes, sha256 {got.sha256[:16]}...; "
+                f"the release says {want.size} bytes, {want.sha256[:16]}...; nothing was written",
+                hint="the patch is for another release; make it again for this one",
+            )
 
 
 def check_base(header: PatchHeader, base_dir: Path) -> None:
@@ -190,9 +300,13 @@ def _write_target(
     tmp = Path(tmp_name)
     written.append(tmp)
     digest = hashlib.sha256()
+    size = 0
     with os.fdopen(fd, "wb") as out, _open_base(base_dir, target) as base:
         for seg in target.segments:
             for block in _decode_segment(seg, streams, base, target.path):
+                size += len(block)
+                if size > target.size:  # the decoders keep to their lengths; this is the backstop
+                    raise FormatError(f"{target.path}: the patch writes more than its {target.size} bytes")
                 digest.update(block)
                 out.write(block)
         out.flush()
@@ -241,10 +355,11 @@ def _decode_segment(
         return
     assert seg.stream is not None
     data = _Limited(streams[seg.stream], seg.stream_bytes, at)
-    if seg.codec.whole:
+    if seg.codec is Codec.BSDIFF:
+        yield from _bsdiff_blocks(data.read_exact(seg.stream_bytes), base, seg, at)
+    elif seg.codec is Codec.ZSTD_BASE:
         old = _read_base(base, seg.base_offset, seg.base_length)
-        apply = _bsdiff_apply if seg.codec is Codec.BSDIFF else _zstd_base_apply
-        yield apply(old, data.read_exact(seg.stream_bytes), seg, at)
+        yield _zstd_base_apply(old, data.read_exact(seg.stream_bytes), seg, at)
     else:
         for start in range(0, seg.length, BLOCK_BYTES):
             n = min(BLOCK_BYTES, seg.length - start)
@@ -302,27 +417,105 @@ def sparse_positions(codes: np.ndarray, count: int, items: int, at: str) -> np.n
     return positions
 
 
-def _bsdiff_apply(old: bytes, raw: bytes, seg: Segment, at: str) -> bytes:
-    """bsdiff4's patch, with every length checked before anything is decompressed or allocated."""
+def _bsdiff_blocks(raw: bytes, base: BinaryIO | None, seg: Segment, at: str) -> Iterator[bytes]:
+    """bsdiff4's patch format, applied incrementally: blocks of at most BLOCK_BYTES.
+
+    Every length is checked before it is used; the control, diff and extra blocks are bzip2
+    streams decompressed only as far as the next control entry needs, so a small block that
+    expands hugely costs time bounded by the segment, never memory. The base range is read from
+    the open base file as entries need it.
+    """
     if len(raw) < 32 or raw[:8] != b"BSDIFF40":
         raise FormatError(f"{at}: bsdiff payload has no BSDIFF40 header")
-    len_control, len_diff, len_dst = (bsdiff4.core.decode_int64(raw[i : i + 8]) for i in (8, 16, 24))
+    len_control, len_diff, len_dst = (_offtin(raw[i : i + 8]) for i in (8, 16, 24))
     if len_dst != seg.length or min(len_control, len_diff) < 0 or (32 + len_control + len_diff > len(raw)):
         raise FormatError(f"{at}: bsdiff header disagrees with the segment ({len_dst} bytes)")
-    blocks = (raw[32 : 32 + len_control], raw[32 + len_control : 32 + len_control + len_diff])
-    control = _bunzip(blocks[0], 24 * (seg.length + 1), at)
-    diff = _bunzip(blocks[1], seg.length, at)
-    extra = _bunzip(raw[32 + len_control + len_diff :], seg.length, at)
-    if len(control) % 24:
-        raise FormatError(f"{at}: bsdiff control block is malformed")
-    try:
-        return bsdiff4.core.patch(old, len_dst, control, diff, extra)
-    except (ValueError, MemoryError) as exc:
-        raise FormatError(f"{at}: bsdiff payload does not apply ({exc})") from exc
+    control = _Bunzip(raw[32 : 32 + len_control], f"{at} bsdiff control")
+    diff = _Bunzip(raw[32 + len_control : 32 + len_control + len_diff], f"{at} bsdiff diff")
+    extra = _Bunzip(raw[32 + len_control + len_diff :], f"{at} bsdiff extra")
+    new_pos = old_pos = entries = 0
+    out = bytearray()
+    # Entries that do not move the output (x = y = 0) are allowed, as bsdiff may write them, but
+    # counted: at most one entry per output byte (and one more), so a hostile block cannot spin.
+    while not (new_pos == seg.length and control.at_end()):
+        entries += 1
+        entry = control.read_exact(24)
+        x, y, z = (_offtin(entry[i : i + 8]) for i in (0, 8, 16))
+        if x < 0 or y < 0 or new_pos + x + y > seg.length or entries > seg.length + 1:
+            raise FormatError(f"{at}: bsdiff control entry {entries} ({x}, {y}, {z}) goes past the segment")
+        for start in range(0, x, BLOCK_BYTES):
+            n = min(BLOCK_BYTES, x - start)
+            added = _u8(diff.read_exact(n)).copy()
+            lo, hi = max(old_pos + start, 0), min(old_pos + start + n, seg.base_length)
+            if lo < hi:  # bytes of the base range under this stretch are added; outside it, not
+                old = _u8(_read_base(base, seg.base_offset + lo, hi - lo))
+                added[lo - old_pos - start : hi - old_pos - start] += old
+            out += added.tobytes()
+            if len(out) >= BLOCK_BYTES:
+                yield bytes(out)
+                out.clear()
+        for start in range(0, y, BLOCK_BYTES):
+            out += extra.read_exact(min(BLOCK_BYTES, y - start))
+            if len(out) >= BLOCK_BYTES:
+                yield bytes(out)
+                out.clear()
+        new_pos, old_pos = new_pos + x + y, old_pos + x + z
+    if not (diff.at_end() and extra.at_end()):
+        raise FormatError(f"{at}: bsdiff diff or extra block holds more than the control block uses")
+    if out:
+        yield bytes(out)
+
+
+def _offtin(b: bytes) -> int:
+    """bsdiff's signed 64-bit integer: little-endian magnitude, sign in the top bit."""
+    (value,) = struct.unpack("<Q", b)
+    return -(value & ~(1 << 63)) if value >> 63 else value
+
+
+class _Bunzip:
+    """One bzip2 block of a bsdiff payload, decompressed only as far as asked."""
+
+    def __init__(self, data: bytes, at: str) -> None:
+        self._dec = bz2.BZ2Decompressor()
+        self._data = data
+        self._fed = False
+        self._at = at
+
+    def read_exact(self, n: int) -> bytes:
+        """Exactly `n` more bytes. Raises FormatError when the block ends first or is not bzip2."""
+        parts, got = [], 0
+        try:
+            while got < n and not self._dec.eof:
+                data = b"" if self._fed else self._data
+                self._fed = True
+                chunk = self._dec.decompress(data, max_length=n - got)
+                if not chunk:  # the input is used up
+                    break
+                parts.append(chunk)
+                got += len(chunk)
+        except OSError as exc:
+            raise FormatError(f"{self._at}: not valid bzip2 ({exc})") from exc
+        if got != n:
+            raise FormatError(f"{self._at}: ends before the control block does (truncated?)")
+        return b"".join(parts)
+
+    def at_end(self) -> bool:
+        """Whether the block is used up: nothing left to decompress, and nothing after it."""
+        try:
+            if not self._dec.eof:
+                more = self._dec.decompress(b"" if self._fed else self._data, max_length=1)
+                self._fed = True
+                if more or not self._dec.eof:
+                    return False
+        except OSError as exc:
+            raise FormatError(f"{self._at}: not valid bzip2 ({exc})") from exc
+        return not self._dec.unused_data
 
 
 def _zstd_base_apply(old: bytes, raw: bytes, seg: Segment, at: str) -> bytes:
-    """One zstd frame whose dictionary is the base range; its declared size is checked first."""
+    """One zstd frame whose dictionary is the base range. Its declared size must be the segment's
+    (at most MAX_WHOLE_BYTES) before anything is decompressed, and zstd refuses a frame whose
+    content disagrees with it, so this never allocates more."""
     try:
         declared = zstandard.get_frame_parameters(raw).content_size
         if declared != seg.length:
@@ -332,17 +525,6 @@ def _zstd_base_apply(old: bytes, raw: bytes, seg: Segment, at: str) -> bytes:
         return dec.decompress(raw, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise FormatError(f"{at}: zstd_base payload does not decode ({exc})") from exc
-
-
-def _bunzip(data: bytes, limit: int, at: str) -> bytes:
-    dec = bz2.BZ2Decompressor()
-    try:
-        out = dec.decompress(data, max_length=limit + 1)
-    except OSError as exc:
-        raise FormatError(f"{at}: bsdiff block is not valid bzip2 ({exc})") from exc
-    if len(out) > limit or not dec.eof:
-        raise FormatError(f"{at}: bsdiff block is larger than the segment allows, or truncated")
-    return out
 
 
 def _read_base(base: BinaryIO | None, offset: int, n: int) -> bytes:

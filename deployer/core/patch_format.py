@@ -14,17 +14,17 @@ standard library and zstandard are used here; the device agent imports it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 import zstandard
 
-from deployer.core.canonical import canonical_json
+from deployer.core.canonical import canonical_json, parse_json
 from deployer.errors import FormatError, SitsError, UnsafePathError
 
 FORMAT_VERSION = 2
@@ -44,9 +44,13 @@ MAX_SEGMENTS = 1_000_000
 ZSTD_MAX_WINDOW = 8 * 1024 * 1024
 # Every stream is decoded at once, each with its own decoder state: few of them keep memory small.
 MAX_STREAMS = 8
-# bsdiff and zstd_base decode a segment in one piece, so their segments are capped to keep apply
-# memory bounded.
-MAX_WHOLE_BYTES = 256 * 1024 * 1024
+# bsdiff and zstd_base segments hold their (compressed) stream bytes and, for zstd_base, the base
+# range in memory while they are decoded, so both are capped: apply memory stays bounded whatever
+# the patch says. The writer (release/delta.py) makes whole segments of at most 16 MiB.
+MAX_WHOLE_BYTES = 16 * 1024 * 1024
+# A whole segment's stream bytes: its bsdiff or zstd frame, chosen only when it beats the raw
+# bytes, so never much more than the segment (bzip2 and zstd add well under this).
+WHOLE_OVERHEAD_BYTES = 4096
 ITEM_SIZES = (1, 2, 4, 8)
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -250,23 +254,34 @@ def _segment_dict(s: Segment) -> dict[str, object]:
 def read_header(path: Path) -> tuple[PatchHeader, int]:
     """Read and validate the header of the patch at `path`; return it and the compressed header length.
 
+    Raises what read_header_from raises.
+    """
+    try:
+        with path.open("rb") as f:
+            return read_header_from(f, os.fstat(f.fileno()).st_size, path)
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read the patch: {exc.strerror or exc}") from exc
+
+
+def read_header_from(f: BinaryIO, file_size: int, path: Path) -> tuple[PatchHeader, int]:
+    """The header of the open patch `f` (`file_size` bytes), read from its start, validated.
+
     Reads at most MAX_HEADER_BYTES + 16 bytes whatever the file claims, and decompresses at most
     MAX_HEADER_BYTES. Raises FormatError (malformed, truncated, another format version, sizes out
     of bounds) or UnsafePathError (a file name escapes).
     """
     try:
-        file_size = path.stat().st_size
-        with path.open("rb") as f:
-            prefix = f.read(PREFIX_BYTES)
-            _check_magic(prefix, path)
-            (header_len,) = struct.unpack("<Q", prefix[len(MAGIC) :])
-            if header_len > MAX_HEADER_BYTES or PREFIX_BYTES + header_len > file_size:
-                raise FormatError(
-                    f"{path}: header claims {header_len} bytes; the file has {file_size} and the "
-                    f"limit is {MAX_HEADER_BYTES}",
-                    hint="the patch is truncated or corrupt; make or download it again",
-                )
-            raw = f.read(header_len)
+        f.seek(0)
+        prefix = f.read(PREFIX_BYTES)
+        _check_magic(prefix, path)
+        (header_len,) = struct.unpack("<Q", prefix[len(MAGIC) :])
+        if header_len > MAX_HEADER_BYTES or PREFIX_BYTES + header_len > file_size:
+            raise FormatError(
+                f"{path}: header claims {header_len} bytes; the file has {file_size} and the "
+                f"limit is {MAX_HEADER_BYTES}",
+                hint="the patch is truncated or corrupt; make or download it again",
+            )
+        raw = f.read(header_len)
     except OSError as exc:
         raise FormatError(f"{path}: cannot read the patch: {exc.strerror or exc}") from exc
     header = parse_header(decompress_header(raw, where=str(path)), where=str(path))
@@ -320,10 +335,7 @@ def parse_header(raw: bytes, *, where: str = "patch") -> PatchHeader:
     """Validate header JSON bytes into a PatchHeader. Raises FormatError or UnsafePathError."""
     if len(raw) > MAX_HEADER_BYTES:
         raise FormatError(f"{where}: header is larger than {MAX_HEADER_BYTES} bytes")
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise FormatError(f"{where}: header is not valid JSON ({exc})") from exc
+    doc = parse_json(raw, f"{where}: header")
     _keys(doc, {"format", "format_version", "base", "streams", "targets"}, where)
     if doc["format"] != "sits-patch" or doc["format_version"] != FORMAT_VERSION:
         raise FormatError(
@@ -470,7 +482,7 @@ def _check_stream_bytes(seg: Segment, where: str) -> None:
     else:
         if max(seg.length, seg.base_length) > MAX_WHOLE_BYTES:
             raise FormatError(f"{where}: {seg.codec.value} segments are limited to {MAX_WHOLE_BYTES} bytes")
-        low, high = 1, MAX_WHOLE_BYTES
+        low, high = 1, 2 * seg.length + WHOLE_OVERHEAD_BYTES
     if not low <= seg.stream_bytes <= high:
         raise FormatError(
             f"{where}: codec {seg.codec.value} reads {seg.stream_bytes} stream bytes; "

@@ -4,27 +4,29 @@ Envelope (wire form)::
 
     {"signed": {...release...}, "signatures": [{"keyid": "<16 hex>", "sig": "<base64 DER>"}]}
 
-The signed bytes are `canonical_json(envelope["signed"])` exactly as received, so signing and
-verifying never depend on how a model re-serializes. The release binds the target artifact's id
+The signed bytes are the canonical JSON of `envelope["signed"]` exactly as received, so signing
+and verifying never depend on how a model re-serializes: RFC 8785 for format_version 2 (what is
+signed now), the legacy encoder for format_version 1 (still verified; deployer/core/canonical.py
+says where the two differ). The release binds the target artifact's id
 (sha256 of its sits-manifest.json) and every file's hash, so weights, tokenizer and chat template
 cannot be mixed across releases. Imports pydantic and the standard library only (device side too).
 """
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployer.core.canonical import canonical_json
+from deployer.core.canonical import canonical_json, legacy_canonical_json, parse_json
 from deployer.core.hashing import sha256_file
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.errors import FormatError
 
-FORMAT_VERSION = 1
+# Format 1 was signed over the legacy canonical form; it is still accepted and verified over it.
+FORMAT_VERSION = 2
 MAX_ENVELOPE_BYTES = 4 * 1024 * 1024
 MAX_SIGNATURES = 32
 SHA256 = r"^[0-9a-f]{64}$"
@@ -71,9 +73,10 @@ class Release(_Strict):
     """The signed part of a release manifest."""
 
     kind: Literal["sits-release"] = "sits-release"
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[1, 2] = FORMAT_VERSION
     model: ModelRef
-    counter: int = Field(ge=1, le=2**53)
+    # JSON numbers carry integers exactly up to 2**53 - 1 (RFC 8785 refuses larger ones).
+    counter: int = Field(ge=1, le=2**53 - 1)
     artifact: ArtifactRef
     patch: PatchRef | None = None
     created: str = Field(pattern=TIMESTAMP)
@@ -86,7 +89,7 @@ class Release(_Strict):
 
     def canonical(self) -> bytes:
         """The exact bytes that are signed."""
-        return canonical_json(self.model_dump(mode="json"))
+        return signed_form(self.model_dump(mode="json"))
 
 
 class SignatureEntry(_Strict):
@@ -104,11 +107,23 @@ class Envelope(_Strict):
 
     def signed_bytes(self) -> bytes:
         """The canonical bytes of `signed` as received: what the signatures cover."""
-        return canonical_json(self.signed)
+        return signed_form(self.signed)
 
     def to_bytes(self) -> bytes:
         """The envelope as written to disk (canonical JSON)."""
         return canonical_json(self.model_dump(mode="json"))
+
+
+def signed_form(signed: dict[str, Any]) -> bytes:
+    """The bytes a signature covers: the canonical JSON of the format the release claims.
+
+    Choosing by the unverified `format_version` is safe: the field is inside the signed bytes,
+    so a changed version changes the bytes and the signatures fail. Raises FormatError.
+    """
+    version = signed.get("format_version")
+    if type(version) is int and version == 1:
+        return legacy_canonical_json(signed)
+    return canonical_json(signed)
 
 
 def format_time(moment: datetime) -> str:
@@ -128,11 +143,9 @@ def parse_envelope(data: bytes, where: str) -> Envelope:
     """Parse envelope bytes (bounded). Raises FormatError naming `where`."""
     if len(data) > MAX_ENVELOPE_BYTES:
         raise FormatError(f"{where}: release manifest larger than {MAX_ENVELOPE_BYTES} bytes")
+    doc = parse_json(data, f"{where}: release manifest")
     try:
-        doc = json.loads(data.decode("utf-8"))
         return Envelope.model_validate(doc)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise FormatError(f"{where}: release manifest is not valid JSON ({exc})") from exc
     except ValidationError as exc:
         raise FormatError(f"{where}: malformed release envelope: {_first(exc)}") from exc
 
@@ -145,6 +158,13 @@ def parse_release(signed: dict[str, Any], where: str) -> Release:
         raise FormatError(f"{where}: malformed release: {_first(exc)}") from exc
     parse_time(release.created)
     parse_time(release.expires)
+    listed = release.artifact.files.get(MANIFEST_NAME)
+    if listed is None or listed.sha256 != release.artifact.sha256:
+        raise FormatError(
+            f"{where}: artifact id {release.artifact.sha256[:16]}... is not the sha256 of its "
+            f"{MANIFEST_NAME} ({listed.sha256[:16] + '...' if listed else 'not listed'})",
+            hint="the release was made wrongly; make it again with sits-deployer release",
+        )
     return release
 
 

@@ -8,12 +8,12 @@ device agent all go through it, so a lying header is rejected in one place.
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from deployer.core.canonical import parse_json
 from deployer.core.tensor_layout import check_tensor_layout
 from deployer.errors import FormatError
 
@@ -87,10 +87,7 @@ def read_header(path: Path) -> SafetensorsHeader:
             raw = f.read(header_len)
     except OSError as exc:
         raise FormatError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: header is not valid JSON ({exc})") from exc
+    header = parse_json(raw, f"{path}: header")
     if not isinstance(header, dict):
         raise FormatError(f"{path}: header is not a JSON object")
     data_start = 8 + header_len

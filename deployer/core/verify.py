@@ -19,17 +19,18 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from deployer.core.hashing import sha256_file
-from deployer.core.patch_format import list_files
+from deployer.core.patch_format import FileRef, PatchHeader, list_files
 from deployer.core.release import Envelope, FileHash, Release, parse_release
 from deployer.errors import (
     BaseMismatchError,
@@ -41,6 +42,9 @@ from deployer.errors import (
     ReplayError,
     SignatureError,
 )
+
+if TYPE_CHECKING:  # patch_apply (numpy) is imported only where a patch is applied
+    from deployer.core.patch_apply import AppliedPatch
 
 MAX_KEY_BYTES = 64 * 1024
 KEY_HINT = "sign with a trusted key, or install its public key among the trusted keys"
@@ -79,8 +83,11 @@ def load_public_key(pem: bytes, where: str) -> tuple[str, ec.EllipticCurvePublic
     """Parse a P-256 public key PEM; return (key id, key). Raises KeyFileError."""
     try:
         key = serialization.load_pem_public_key(pem)
-    except (ValueError, TypeError) as exc:
-        raise KeyFileError(f"{where}: not a PEM public key ({exc})") from exc
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise KeyFileError(
+            f"{where}: not a PEM public key ({type(exc).__name__})",
+            hint="a trusted key is the .pub file sits-deployer keygen writes; replace or remove this one",
+        ) from exc
     if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
         raise KeyFileError(f"{where}: not an ECDSA P-256 public key", hint="use sits-deployer keygen")
     return key_id(key), key
@@ -95,12 +102,26 @@ def read_key_file(path: Path) -> bytes:
         raise KeyFileError(f"{path}: cannot read the key: {exc.strerror or exc}") from exc
 
 
-def load_trusted_keys(paths: Iterable[Path], threshold: int = 1) -> TrustedKeys:
-    """Read public key files into a TrustedKeys. Raises KeyFileError."""
+def load_trusted_keys(
+    paths: Iterable[Path], threshold: int = 1, *, on_bad: Callable[[KeyFileError], None] | None = None
+) -> TrustedKeys:
+    """Read public key files into a TrustedKeys. Raises KeyFileError.
+
+    With `on_bad`, a file that is not a usable key is handed to it (its error names the file) and
+    left out instead: fewer keys can only make fewer releases valid.
+    """
     keys: dict[str, ec.EllipticCurvePublicKey] = {}
     for path in paths:
-        kid, key = load_public_key(read_key_file(path), str(path))
+        try:
+            kid, key = load_public_key(read_key_file(path), str(path))
+        except KeyFileError as exc:
+            if on_bad is None:
+                raise
+            on_bad(exc)
+            continue
         keys[kid] = key
+    if not keys:
+        raise KeyFileError("none of the trusted key files holds a usable key", hint=KEY_HINT)
     return TrustedKeys(keys, threshold)
 
 
@@ -233,6 +254,30 @@ def verify_artifact_dir(directory: Path, release: Release) -> None:
     check_files(release, actual, str(directory))
 
 
+def apply_release_patch(
+    release: Release,
+    patch: Path,
+    base_dir: Path,
+    out_dir: Path,
+    *,
+    before_write: Callable[[PatchHeader], None] | None = None,
+) -> AppliedPatch:
+    """Apply the patch of a verified `release`, reading one open file throughout.
+
+    Its length, then its sha256 against the release; its header's target files against the
+    release's file list (names, sizes, sha256) and `before_write` (the disk-space check) before
+    anything is written; then the patch is applied from the same open file. Raises FormatError,
+    HashMismatchError, BaseMismatchError, UnsafePathError, and what `before_write` raises.
+    """
+    from deployer.core.patch_apply import apply_open_patch, open_patch
+
+    expected = {n: FileRef(f.sha256, f.size) for n, f in release.artifact.files.items()}
+    with open_patch(patch) as pf:
+        right_size = release.patch is not None and pf.size == release.patch.size
+        check_patch(release, pf.size, pf.sha256() if right_size else "", str(patch))
+        return apply_open_patch(pf, base_dir, out_dir, expect=expected, before_write=before_write)
+
+
 def apply_verified_patch(
     envelope: Envelope,
     patch: Path,
@@ -249,11 +294,8 @@ def apply_verified_patch(
     (every output hash) -> every file against the release. On failure the files written are
     removed and the error of the failed check is raised; nothing is promoted here.
     """
-    from deployer.core.patch_apply import apply_patch
-
     release = verify_release(envelope, trusted, now=now, installed=installed)
-    verify_patch_file(patch, release)
-    applied = apply_patch(patch, base_dir, out_dir)
+    applied = apply_release_patch(release, patch, base_dir, out_dir)
     try:
         verify_artifact_dir(out_dir, release)
     except IntegrityError:

@@ -20,6 +20,7 @@ import pytest
 from deployer.agent.store import DeviceStore
 from deployer.agent.updater import INSTALL_STEPS, Updater
 from deployer.core.hashing import sha256_file
+from deployer.errors import ReplayError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,8 +83,16 @@ def _check_invariants(store: DeviceStore, kit) -> str:
 
 
 def _finish_and_check(store: DeviceStore, kit, manifest: Path) -> None:
-    """Running the same install again completes it, and start-up cleaning left no debris."""
-    Updater(store).install(manifest, patch=kit.patches[("1.0.0", "1.1.0")])
+    """Running the same install again completes it, and start-up cleaning left no debris.
+
+    Once an install is complete (nothing in progress), the same release again is a replay.
+    """
+    state = store.read_state()
+    if state.release_counter == 2 and state.in_progress is None and state.pending is None:
+        with pytest.raises(ReplayError):
+            Updater(store).install(manifest, patch=kit.patches[("1.0.0", "1.1.0")])
+    else:
+        Updater(store).install(manifest, patch=kit.patches[("1.0.0", "1.1.0")])
     assert store.current_version() == "1.1.0"
     assert list(store.staging_dir.iterdir()) == []
     state = store.read_state()

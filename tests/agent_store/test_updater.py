@@ -78,12 +78,12 @@ def test_full_install_then_patch_install(device, kit):
     assert list(device.staging_dir.iterdir()) == []
 
 
-def test_the_same_release_again_changes_nothing(device, kit):
+def test_the_same_release_again_is_a_replay(device, kit):
     manifest = kit.release("1.0.0", 1)
     updater = Updater(device)
     updater.install(manifest, artifact=kit.artifacts["1.0.0"])
-    again = updater.install(manifest, artifact=kit.artifacts["1.0.0"])
-    assert again.changed is False
+    with pytest.raises(ReplayError, match="not above the installed 1"):
+        updater.install(manifest, artifact=kit.artifacts["1.0.0"])
     assert device.current_version() == "1.0.0"
 
 
@@ -94,8 +94,8 @@ def test_an_older_release_is_a_replay(device, kit):
         updater.install(kit.release("1.0.0", 4), artifact=kit.artifacts["1.0.0"])
     assert device.current_version() == "1.1.0"
     assert device.installed_versions() == ["1.1.0"]
-    last = device.read_state().history[-1]
-    assert (last.action, last.result, last.version) == ("install", "failed", None)
+    last = device.read_state().history[-1]  # a refusal leaves state.json as it was
+    assert (last.action, last.result, last.version) == ("install", "ok", "1.1.0")
 
 
 @pytest.mark.parametrize(
@@ -190,8 +190,10 @@ def test_a_version_the_server_refuses_is_pointed_back(device, kit):
     assert (device.current_version(), device.previous_version()) == ("1.0.0", None)
     state = device.read_state()
     assert state.installed_version == "1.0.0"
-    assert state.history[-1].result == "failed"
-    assert "1.1.0" in device.installed_versions()  # verified and kept; never current
+    assert state.history[-1].reason.startswith("the server refused 1.1.0")
+    # Not left promoted, so no rollback can pick it; the counter floor stays (security-model.md).
+    assert device.installed_versions() == ["1.0.0"]
+    assert ("1.1.0" not in state.versions, state.in_progress, state.release_counter) == (True, None, 2)
 
 
 def test_rollback_and_forward_again(device, kit):
@@ -208,9 +210,11 @@ def test_rollback_and_forward_again(device, kit):
     assert device.read_state().release_counter == 2  # the floor stays where it was
     with pytest.raises(ReplayError):  # a new release must still beat counter 2
         updater.install(kit.release("1.2.0", 2), artifact=kit.artifacts["1.2.0"])
-    # The release already accepted for 1.1.0 may bring it back (it is not a downgrade).
-    assert updater.install(forward, patch=kit.patches[("1.0.0", "1.1.0")]).changed
-    assert device.current_version() == "1.1.0"
+    # Not even the release accepted for 1.1.0 brings it back: only the operator's rollback does.
+    with pytest.raises(ReplayError):
+        updater.install(forward, patch=kit.patches[("1.0.0", "1.1.0")])
+    assert device.current_version() == "1.0.0"
+    assert updater.rollback(to="1.1.0").changed
     assert updater.rollback(to="1.1.0").changed is False
 
 
@@ -249,8 +253,9 @@ def test_self_rollback_never_swings_back_to_a_failed_version(device, kit):
     with pytest.raises(AgentError, match="no healthy previous version"):
         updater.self_rollback()
     assert device.current_version() == "1.0.0"
-    updater.rollback(to="1.1.0")  # an operator's explicit choice clears the mark
-    assert not device.read_state().versions["1.1.0"].failed
+    with pytest.raises(AgentError, match="failed on this device and is never rolled back to"):
+        updater.rollback(to="1.1.0")  # not even by an operator's explicit choice
+    assert device.current_version() == "1.0.0"
 
 
 def test_gc_through_the_updater_keeps_the_pointers(device, kit):

@@ -81,3 +81,23 @@ def test_channel_signed_by_unknown_key_is_refused(
     intruder = make_project(tmp_path / "intruder", sources, built_store)
     intruder.publish(nginx.root, "2.0.0")
     assert "not signed by the keys this device trusts" in _refused(on_v1, SignatureError)
+
+
+def test_a_rejected_download_is_discarded_and_the_next_poll_recovers(
+    tmp_path: Path, project: Project, nginx: Nginx
+) -> None:
+    # A mirror serves tampered weights once: the rejected file must not be kept and resumed
+    # (it would fail every later poll until a new release changed its hash).
+    project.publish(nginx.root, "1.0.0")
+    weights = next(
+        p for p in (nginx.root / "stable/targets/full/artifact").iterdir() if "safetensors" in p.name
+    )
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    device = make_device(tmp_path / "d", project, f"{nginx.url}/stable/")
+    with pytest.raises(HashMismatchError):
+        device.poll()
+    assert [p.name for p in (tmp_path / "d").rglob("*") if p.is_file() and "safetensors" in p.name] == []
+    weights.write_bytes(good)
+    assert device.poll(force=True).result == "updated"
+    assert device.store.current_version() == "1.0.0"

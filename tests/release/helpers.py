@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from deployer.build.pipeline import build_artifact
 from deployer.build.spec import BuildRequest, QuantSpec
-from deployer.core.canonical import canonical_json
+from deployer.core.canonical import legacy_canonical_json
 from deployer.core.hashing import sha256_file
 from deployer.core.patch_format import MAGIC, PREFIX_BYTES, TRAILER_BYTES
 from deployer.core.release import Envelope, PatchRef, make_release
@@ -133,7 +133,8 @@ def forge_patch(
     `header_len`, `magic` and `raw_header` (the compressed header) replace what would be written.
     """
     if raw_header is None:
-        raw_header = zstandard.ZstdCompressor().compress(canonical_json(header))
+        # An attacker's JSON need not be canonical, nor keep to RFC 8785's integer range.
+        raw_header = zstandard.ZstdCompressor().compress(legacy_canonical_json(header))
     length = len(raw_header) if header_len is None else header_len
     body = magic + struct.pack("<Q", length) + raw_header + b"".join(streams)
     path.write_bytes(body + hashlib.sha256(body).digest())

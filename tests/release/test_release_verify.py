@@ -233,14 +233,15 @@ def test_apply_verified_patch_end_to_end(fleet, tmp_path):
 
 
 def test_release_naming_other_files_than_its_patch_makes(fleet, tmp_path):
-    # A release of v1's files that carries the v1->v2 patch: the output mixes two releases.
+    # A release of v1's files that carries the v1->v2 patch: refused from the patch header's
+    # target list, before a byte is written.
     ref = fleet.release().signed["patch"]
     body = make_release(fleet.v1, counter=2, expires_in=timedelta(days=1), now=NOW, patch=PatchRef(**ref))
     envelope = add_signature(envelope_for(body), fleet.keys[0])
     staging = tmp_path / "staging"
     staging.mkdir()
     state = Installed(1, artifact_id(fleet.v1))
-    with pytest.raises(HashMismatchError, match="two releases mixed"):
+    with pytest.raises(FormatError, match=r"the release says .* nothing was written"):
         apply_verified_patch(
             envelope, fleet.patch, fleet.v1, staging, fleet.trusted(), now=NOW, installed=state
         )
