@@ -1,6 +1,6 @@
 """Moving modules changed no wire format: a patch and a signed release made by the code as it stood
-before the layout move (commit 26734b2) are reproduced byte for byte, and the release it signed then
-still verifies now.
+before the layout move (commit 26734b2) are reproduced byte for byte (the release's content; its
+canonical form moved to RFC 8785 later, on purpose), and the release signed then still verifies now.
 
 The goldens were made from the seeded tiny checkpoint (seed 0) and a copy with its first three
 weights moved by 0.01 (seed 7), built int8 as 1.0.0 and 1.1.0, a patch between them, and a release
@@ -10,6 +10,7 @@ weights moved by 0.01 (seed 7), built int8 as 1.0.0 and 1.1.0, a patch between t
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -47,7 +48,9 @@ def test_artifacts_and_patch_are_byte_identical(artifacts: tuple[Path, Path], tm
     assert (_sha(patch), patch.stat().st_size) == (PATCH_SHA256, PATCH_SIZE)
 
 
-def test_signed_release_bytes_are_identical(artifacts: tuple[Path, Path]) -> None:
+def test_signed_release_content_is_unchanged(artifacts: tuple[Path, Path]) -> None:
+    """The move changed nothing in a release; issue 14 then moved new releases to format 2 (RFC 8785
+    canonical JSON) on purpose, so the content is pinned field by field and the format separately."""
     _, v2 = artifacts
     ref = PatchRef(base_version="1.0.0", base_sha256=V1_ID, sha256=PATCH_SHA256, size=PATCH_SIZE)
     release = make_release(
@@ -55,7 +58,9 @@ def test_signed_release_bytes_are_identical(artifacts: tuple[Path, Path]) -> Non
     )
     old = read_envelope(GOLDEN / "release-before-move.json")
     assert hashlib.sha256(old.signed_bytes()).hexdigest() == SIGNED_SHA256
-    assert release.canonical() == old.signed_bytes()
+    now = json.loads(release.canonical())
+    assert (old.signed["format_version"], now.pop("format_version")) == (1, 2)
+    assert now == {k: v for k, v in old.signed.items() if k != "format_version"}
 
 
 def test_a_release_signed_before_the_move_still_verifies() -> None:
