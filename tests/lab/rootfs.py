@@ -25,6 +25,9 @@ PACKAGES = (
     "openssh-server",
     "python3",
     "python3-venv",
+    # llama-cpp-python has no wheel on PyPI: the controller builds one (deployer/push/wheelhouse.py),
+    # which links the system's OpenMP runtime, as a device's OS must then provide.
+    "libgomp1",
     "iproute2",
     "procps",
     "ca-certificates",
