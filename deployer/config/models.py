@@ -382,6 +382,15 @@ class Profile(_Model):
     cpu: Cpu | None = None
     disk: Memory | None = None
     accelerator: str | None = None
+    torch: Annotated[
+        Literal["wheelhouse", "system"],
+        Field(
+            description="Where the agent's torch comes from. wheelhouse: the controller sends it with "
+            "the other wheels. system: the device's own (Jetson boards get torch from NVIDIA's JetPack "
+            "wheels); the agent's venv sees the system site packages (or the agent runs in the "
+            "device's configured `python`) and the wheelhouse leaves torch out."
+        ),
+    ] = "wheelhouse"
 
 
 class Strategy(_Model):

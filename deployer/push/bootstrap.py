@@ -1,9 +1,12 @@
 """Put the agent on a device and keep its files and process as deploy.yaml says.
 
-    install_agent     our wheel (built once per controller run) installed with pip into a venv under
-                      /opt/sits/venv, made with the device's `python`; or, when the inventory names
-                      another interpreter, into that one (nothing is installed if it already has
-                      this version)
+    install_agent     the agent without the controller and without an index: a venv at
+                      /opt/sits/venv made with the device's `python` (seeing the system site
+                      packages when its profile says `torch: system`), or, when the inventory
+                      names another interpreter, that one; the controller's wheelhouse for the
+                      device's platform (deployer.push.wheelhouse) minus the wheels the device
+                      already installed (by sha256), installed with `pip --no-index`; then our
+                      wheel (built once per controller run) with --no-deps
     desired_files     what the controller keeps on the device, by device path: agent.yaml, the
                       trusted keys, the systemd units when the device runs systemd, and the
                       pull-mode files when deploy.yaml provisions it to poll (pull_provision)
@@ -22,6 +25,7 @@ write the store (install, rollback) as that user, so that every file there stays
 from __future__ import annotations
 
 import functools
+import json
 import posixpath
 import shlex
 import subprocess
@@ -35,9 +39,19 @@ import yaml
 from deployer import __version__
 from deployer.config.models import Config
 from deployer.errors import AgentError, SitsError, TransportError
-from deployer.push.facts import AGENT_CONFIG, KEYS_DIR, UNIT_DIR, VENV_PYTHON, DeviceSite, agent_request
+from deployer.push.facts import (
+    AGENT_CONFIG,
+    KEYS_DIR,
+    UNIT_DIR,
+    VENV_PYTHON,
+    WHEELS_RECORD,
+    DeviceSite,
+    agent_request,
+    gather_platform,
+)
 from deployer.push.pull_files import pull_files
 from deployer.push.units import POLL_TIMER
+from deployer.push.wheelhouse import PipTarget, agent_requirements, build_wheelhouse
 from deployer.release.desired import ReleaseFiles
 from deployer.transport import Transport
 
@@ -151,25 +165,63 @@ def build_wheel(project_dir: Path, out_dir: Path) -> Path:
 
 
 def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
-    """Install the agent from `wheel` (into the venv when the device uses the default interpreter)."""
+    """Install the agent from `wheel` and the wheelhouse of its `agent` extras; the device needs no index.
+
+    Raises SitsError when the wheelhouse cannot be built, TransportError when a device step fails.
+    """
     if site.python == site.path(VENV_PYTHON):
-        venv = posixpath.dirname(posixpath.dirname(site.python))
-        transport.run(
-            f"test -x {shlex.quote(site.python)} || {shlex.quote(site.bootstrap_python)} -m venv "
-            + shlex.quote(venv),
-            timeout=300,
-        ).check(f"{site.name}: creating the agent's venv at {venv}")
-    remote = f"{INCOMING}/{wheel.name}"
-    transport.put(wheel, site.file(remote))
-    pip = [site.python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    wheel_path = site.path(remote)
-    # Our package is replaced even at the same version; its dependencies only when missing.
-    transport.run([*pip, "--force-reinstall", "--no-deps", wheel_path], timeout=900).check(
+        _ensure_venv(site, transport)
+    if site.system_torch:
+        _check_system_torch(site, transport)
+    device = gather_platform(site, transport)
+    requirements = agent_requirements(wheel, site.engine, system_torch=site.system_torch)
+    house = build_wheelhouse(requirements, PipTarget.of(device))
+    incoming = f"{INCOMING}/wheels"
+    for w in house.wheels:
+        if w.sha256 not in device.wheels:
+            transport.put(w.path, site.file(f"{incoming}/{w.path.name}"))
+    transport.put(wheel, site.file(f"{incoming}/{wheel.name}"))
+    pip = [site.python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index"]
+    wheels_dir = site.path(incoming)
+    # Pins, not ranges: the device ends with exactly the wheelhouse's releases; those it has already
+    # satisfy their pins without their wheels being sent again.
+    transport.run([*pip, "--find-links", wheels_dir, *house.pins], timeout=1800).check(
+        f"{site.name}: pip install of the agent's {len(house.pins)} wheels"
+    )
+    # Our package is replaced even at the same version; its dependencies are the ones above.
+    transport.run([*pip, "--force-reinstall", "--no-deps", f"{wheels_dir}/{wheel.name}"], timeout=900).check(
         f"{site.name}: pip install of {wheel.name}"
     )
-    transport.run([*pip, wheel_path], timeout=900).check(
-        f"{site.name}: installing the dependencies of {wheel.name}"
+    record = {"python": site.python, "wheels": {w.path.name: w.sha256 for w in house.wheels}}
+    write_files(
+        site, transport, {WHEELS_RECORD: (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()}
     )
+    transport.run(["rm", "-rf", wheels_dir], timeout=60)  # installed: the wheels would only take space
+
+
+def _check_system_torch(site: DeviceSite, transport: Transport) -> None:
+    """Fail before sending anything when the torch the device should bring is not there."""
+    found = transport.run([site.python, "-c", "import torch; print(torch.__version__)"], timeout=300)
+    if not found.ok:
+        last = ((found.stderr or found.stdout).strip().splitlines() or ["no output"])[-1]
+        raise AgentError(
+            f"{site.name}: its profile says torch: system, but {site.python} cannot import torch ({last})",
+            hint="install the vendor's torch for the device's python (Jetson: NVIDIA's JetPack wheels), "
+            "or set the profile's torch: wheelhouse",
+        )
+
+
+def _ensure_venv(site: DeviceSite, transport: Transport) -> None:
+    """Create the agent's venv, or recreate it when its system-site-packages setting is not the profile's."""
+    venv = posixpath.dirname(posixpath.dirname(site.python))
+    want = "true" if site.system_torch else "false"
+    same = f"grep -qx 'include-system-site-packages = {want}' {shlex.quote(f'{venv}/pyvenv.cfg')}"
+    flags = "--clear --system-site-packages" if site.system_torch else "--clear"
+    transport.run(
+        f"if ! test -x {shlex.quote(site.python)} || ! {same}; "
+        f"then {shlex.quote(site.bootstrap_python)} -m venv {flags} {shlex.quote(venv)}; fi",
+        timeout=300,
+    ).check(f"{site.name}: creating the agent's venv at {venv}")
 
 
 def prepare_service_user(site: DeviceSite, transport: Transport) -> None:

@@ -8,6 +8,10 @@ fact too (`reachable=False` with the reason), never an exception.
 
 `DeviceSite` says where things are on one device: commands see paths under the device's root
 prefix; the local transport maps file paths under that prefix itself, SSH does not.
+
+`gather_platform` is the bootstrap's own probe, run once the agent's interpreter exists: its Python
+version, CPU architecture and libc (what its wheels must be built for), and which of the wheels
+recorded in WHEELS_RECORD are still installed in it.
 """
 
 from __future__ import annotations
@@ -29,12 +33,15 @@ __all__ = [
     "PULL_CONFIG",
     "PULL_ROOT",
     "VENV_PYTHON",
+    "WHEELS_RECORD",
+    "DevicePlatform",
     "DeviceSite",
     "HttpReply",
     "agent_request",
     "controller_agent_version",
     "gather_facts",
     "gather_fleet",
+    "gather_platform",
 ]
 
 AGENT_CONFIG = "/etc/sits/agent.yaml"
@@ -43,6 +50,8 @@ PULL_ROOT = "/etc/sits/pull-root.json"
 KEYS_DIR = "/etc/sits/keys"
 UNIT_DIR = "/etc/systemd/system"
 VENV_PYTHON = "/opt/sits/venv/bin/python"
+# The wheels bootstrap installed, by sha256, and into which interpreter (deployer.push.bootstrap).
+WHEELS_RECORD = "/opt/sits/wheels.json"
 DEFAULT_PYTHON = "python3"  # inventory default: bootstrap a venv with it
 PROBE_TIMEOUT_S = 30.0
 
@@ -60,11 +69,14 @@ class DeviceSite:
     port: int  # the agent's HTTP port
     bootstrap_python: str  # the interpreter that creates the agent's venv
     python: str  # the interpreter that runs the agent
+    engine: str = "torch"  # agent.engine: which engine's packages the device gets
+    system_torch: bool = False  # its profile's `torch: system`: the device brings its own torch
 
     @classmethod
     def of(cls, config: Config, device: Device) -> DeviceSite:
         """The site of an inventory device (root resolved against deploy.yaml for local devices)."""
         local = device.transport == "local"
+        profile = config.profiles.get(device.profile) if device.profile else None
         root = str(config.resolve(device.root)) if local else device.root
         site = cls(
             name=device.name,
@@ -74,6 +86,8 @@ class DeviceSite:
             port=device.agent_port or config.agent.port,
             bootstrap_python=device.python,
             python="",
+            engine=config.agent.engine,
+            system_torch=profile is not None and profile.torch == "system",
         )
         python = site.path(VENV_PYTHON) if device.python == DEFAULT_PYTHON else device.python
         return DeviceSite(**{**site.__dict__, "python": python})
@@ -236,6 +250,60 @@ def agent_request(
     result.check(f"{site.name}: HTTP {method} {path}")
     data = json.loads(result.stdout.strip().splitlines()[-1])
     return HttpReply(int(data["status"]), data["body"], float(data["elapsed_ms"]))
+
+
+@dataclass(frozen=True)
+class DevicePlatform:
+    """What a device's wheels must be built for, and the wheels bootstrap already installed there."""
+
+    python: str  # "3.11"
+    implementation: str  # sys.implementation.name: "cpython"
+    machine: str  # platform.machine(): "x86_64", "aarch64"
+    libc: str  # "glibc" or "musl" ("" when unknown)
+    libc_version: str  # "2.36"
+    wheels: frozenset[str] = frozenset()  # sha256 of recorded wheels whose release is still installed
+
+
+# Runs with the agent's interpreter; prints one JSON document. argv: the wheels record, the python.
+_PLATFORM = r"""
+import glob, json, platform, re, subprocess, sys
+libc, version = platform.libc_ver()
+if not libc:
+    for loader in glob.glob("/lib/ld-musl-*.so.1"):
+        m = re.search(r"Version ([0-9.]+)", subprocess.run([loader], capture_output=True, text=True).stderr)
+        libc, version = "musl", (m.group(1) if m else "")
+def canon(n): return re.sub(r"[-_.]+", "-", n).lower()
+wheels = []
+try:
+    import importlib.metadata as md
+    have = {canon(d.metadata["Name"] or ""): d.version for d in md.distributions()}
+    with open(sys.argv[1]) as f: record = json.load(f)
+    if record.get("python") == sys.argv[2]:
+        for name, digest in record["wheels"].items():
+            n, v = name.split("-")[:2]
+            if have.get(canon(n)) == v: wheels.append(digest)
+except Exception: pass
+print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "implementation": sys.implementation.name,
+                  "machine": platform.machine(), "libc": libc, "libc_version": version, "wheels": wheels}))
+"""
+
+
+def gather_platform(site: DeviceSite, transport: Transport) -> DevicePlatform:
+    """Probe the agent's interpreter (it must exist). Raises TransportError when the probe fails."""
+    argv = [site.python, "-c", _PLATFORM, site.path(WHEELS_RECORD), site.python]
+    result = transport.run(argv, timeout=PROBE_TIMEOUT_S).check(f"{site.name}: the platform probe")
+    try:
+        data = json.loads(result.stdout.strip().splitlines()[-1])
+        return DevicePlatform(
+            python=data["python"],
+            implementation=data["implementation"],
+            machine=data["machine"],
+            libc=data["libc"],
+            libc_version=data["libc_version"],
+            wheels=frozenset(data["wheels"]),
+        )
+    except (ValueError, IndexError, KeyError, TypeError) as exc:
+        raise TransportError(f"{site.name}: the platform probe printed no usable JSON ({exc})") from exc
 
 
 def controller_agent_version() -> str:

@@ -1,8 +1,12 @@
-"""Bootstrap: a device whose interpreter lacks sits-deployer gets our wheel installed with pip."""
+"""Bootstrap: a device whose interpreter lacks sits-deployer gets the agent from the wheelhouse.
+
+The device's interpreter here is a bare venv: everything the agent imports must come from the
+controller's wheelhouse (installed with pip --no-index), and nothing the controller alone needs may.
+"""
 
 from __future__ import annotations
 
-import site
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,26 +17,27 @@ import yaml
 from deployer.agent.settings import AgentSettings
 from deployer.config import load_config
 from deployer.push.bootstrap import agent_settings
-from deployer.push.facts import DeviceSite, gather_facts
+from deployer.push.facts import DeviceSite, gather_facts, gather_platform
 from deployer.transport import LocalTransport
+from tests.fleet.agent_packages import canonical, forbidden, local_run, packages_of
 from tests.fleet.conftest import local_devices, make_project
 
 
 def _bare_venv(path: Path) -> Path:
-    """A venv without sits-deployer whose other packages (torch, ...) come from the test venv."""
+    """A venv holding nothing but pip."""
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, capture_output=True)
-    purelib = next(path.glob("lib/python*/site-packages"))
-    (purelib / "test-deps.pth").write_text(site.getsitepackages()[0] + "\n")
     return path / "bin/python"
 
 
-def test_fresh_device_gets_the_agent_from_our_wheel(tmp_path, tiny_model_dir):
+def test_fresh_device_gets_only_the_agent_and_serves(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # the device imports only what it installed
     python = _bare_venv(tmp_path / "device-venv")
     base = tmp_path / "project"
     project = make_project(base, {"1.0.0": tiny_model_dir}, local_devices(base, ("fresh",), str(python)))
     config = load_config(project.config_path)
     device_site = DeviceSite.of(config, config.fleet.devices[0])
-    before = gather_facts(device_site, LocalTransport(project.device_root("fresh")))
+    transport = LocalTransport(project.device_root("fresh"))
+    before = gather_facts(device_site, transport)
     assert before.reachable and before.agent_version is None
     plan = project.run("plan", "--output", "json")
     assert plan.exit_code == 0
@@ -40,9 +45,9 @@ def test_fresh_device_gets_the_agent_from_our_wheel(tmp_path, tiny_model_dir):
     try:
         result = project.run("apply", "--output", "json")
         assert result.exit_code == 0, result.output
-        after = gather_facts(device_site, LocalTransport(project.device_root("fresh")))
+        after = gather_facts(device_site, transport)
         assert after.agent_version is not None
-        assert after.model_version == "1.0.0" and after.ready
+        assert after.model_version == "1.0.0" and after.ready  # `serve` ran on the tiny model
         installed = subprocess.run(
             [str(python), "-c", "import deployer, sys; sys.stdout.write(deployer.__file__)"],
             capture_output=True,
@@ -51,6 +56,16 @@ def test_fresh_device_gets_the_agent_from_our_wheel(tmp_path, tiny_model_dir):
             cwd=tmp_path,
         ).stdout
         assert str(tmp_path / "device-venv") in installed  # the wheel's copy, not the source tree
+        packages = packages_of(local_run, str(python))
+        assert {"torch", "tokenizers", "jinja2", "tuf", "sits-deployer"} <= packages.keys()
+        assert forbidden(packages, "torch") == set(), sorted(packages)
+        # Each wheel is recorded by its hash: a second bootstrap sends none of them again.
+        record = json.loads((project.device_root("fresh") / "opt/sits/wheels.json").read_text())
+        assert {canonical(name.split("-")[0]) for name in record["wheels"]} <= packages.keys()
+        assert gather_platform(device_site, transport).wheels == set(record["wheels"].values())
+        assert not (project.device_root("fresh") / "var/lib/sits/incoming/wheels").exists()
+        help_text = local_run([str(python), "-m", "deployer.agent.cli", "--help"])
+        assert "serve" in help_text and "install" in help_text
     finally:
         project.stop_agents()
 

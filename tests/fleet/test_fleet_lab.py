@@ -1,12 +1,13 @@
 """The fleet commands over real SSH against booted systemd devices of the lab (marked `lab`).
 
-The lab's rootfs carries the agent's runtime (torch and the rest) in /opt/sits/venv, so bootstrap
-installs only our wheel there and the agent really serves. First, what the controller does before a
-model runs: facts over SSH (systemd detected, no agent), a plan that bootstraps and writes the
-systemd units, units that systemd accepts, and `logs` via journalctl. Then a rollout through the real
-CLI (the tests build on each other, in file order): v1 from scratch, started by systemd as a
-Type=notify service; v2 as a patch under canary; `rollback --to 1.0.0`; and a crash-looping agent
-that systemd's OnFailure= unit returns to the previous version.
+Bootstrap installs the agent's runtime (torch and the rest) from the controller's wheelhouse into
+/opt/sits/venv (the devices reach no index), then our wheel, and the agent really serves. First,
+what the controller does before a model runs: facts over SSH (systemd detected, no agent), a plan
+that bootstraps and writes the systemd units, units that systemd accepts, and `logs` via
+journalctl. Then a rollout through the real CLI (the tests build on each other, in file order): v1
+from scratch, started by systemd as a Type=notify service; v2 as a patch under canary;
+`rollback --to 1.0.0`; and a crash-looping agent that systemd's OnFailure= unit returns to the
+previous version.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def test_logs_over_ssh_reads_the_journal(ssh_project):
     assert result.exit_code == 0, result.output
 
 
-# -- a real rollout onto the lab: the rootfs carries the agent's runtime in /opt/sits/venv ----------
+# -- a real rollout onto the lab: bootstrap puts the agent's runtime in /opt/sits/venv ------------
 
 CANARY = {"type": "canary", "steps": [1, "100%"], "analysis_window": "1s", "offline": "skip"}
 NAMES = ("dev1", "dev2", "dev3")

@@ -8,15 +8,10 @@ temporary directory that is renamed into place only once complete: a half-built 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
-import re
 import shutil
-import sys
-import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 from tests.lab.proc import LabError, sh
@@ -30,6 +25,9 @@ PACKAGES = (
     "openssh-server",
     "python3",
     "python3-venv",
+    # llama-cpp-python has no wheel on PyPI: the controller builds one (deployer/push/wheelhouse.py),
+    # which links the system's OpenMP runtime, as a device's OS must then provide.
+    "libgomp1",
     "iproute2",
     "procps",
     "ca-certificates",
@@ -47,27 +45,11 @@ MASKED_UNITS = (
 SSHD_CONFIG = "HostKey /etc/ssh/ssh_host_ed25519_key\nPasswordAuthentication no\nUseDNS no\n"
 STAMP = "sits-lab-rootfs.json"
 BUILD_TIMEOUT_S = 900
-PROJECT = Path(__file__).resolve().parents[2]
-# The agent's runtime, preinstalled so that bootstrap's pip finds every dependency satisfied and
-# needs no index on the device (devices have no network beyond the lab): our own wheel, sent by
-# bootstrap, is then the only thing pip installs there.
-RUNTIME_VENV = "/opt/sits/venv"
-# Not "rootfs" (the tree without the runtime): a checkout with the older recipe would rebuild that
-# one under a lab of this recipe, and the other way round.
-ROOTFS_DIR = "rootfs-agent"
-
-
-def runtime_requirements() -> tuple[str, ...]:
-    """Our runtime dependencies (pyproject.toml), each pinned to the version the host has installed."""
-    deps = tomllib.loads((PROJECT / "pyproject.toml").read_text())["project"]["dependencies"]
-    pinned = []
-    for dep in deps:
-        name = re.match(r"[A-Za-z0-9_.-]+", dep).group(0)
-        try:
-            pinned.append(f"{name}=={importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            pinned.append(dep)
-    return tuple(sorted(pinned))
+# No Python packages beyond Debian's: the agent's runtime reaches a device only the way it reaches
+# a real one, through bootstrap's wheelhouse (devices have no network beyond the lab, so no index).
+# Not "rootfs-agent", the tree of the older recipe with a preinstalled runtime: checkouts of either
+# recipe keep their own tree instead of rebuilding each other's.
+ROOTFS_DIR = "rootfs-base"
 
 
 def recipe_hash() -> str:
@@ -77,9 +59,7 @@ def recipe_hash() -> str:
         "packages": PACKAGES,
         "masked": MASKED_UNITS,
         "sshd": SSHD_CONFIG,
-        "runtime": runtime_requirements(),
-        "venv": RUNTIME_VENV,
-        "v": 2,
+        "v": 3,
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
 
@@ -111,7 +91,6 @@ def ensure_rootfs(cache: Path = CACHE, *, log: bool = True) -> Path:
     started = time.monotonic()
     try:
         _debootstrap(staging)
-        _install_runtime(staging)
         _prepare(staging)
         _replace(staging, final)
     finally:
@@ -127,64 +106,6 @@ def _debootstrap(dest: Path) -> None:
         ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, str(dest)],
         timeout=BUILD_TIMEOUT_S,
     )
-
-
-def _host_pins() -> list[str]:
-    pins = {}
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"]
-        if name and name.lower().replace("_", "-") != "sits-deployer":
-            pins[name.lower()] = f"{name}=={dist.version}"
-    return sorted(pins.values())
-
-
-def _install_runtime(root: Path) -> None:
-    """A venv at RUNTIME_VENV with our runtime dependencies, from wheels the host builds or has cached.
-
-    The host's pip (its config: /opt/wheels for torch, then its cache and index) fetches or builds
-    every wheel into a temporary directory; inside the tree, pip installs only from there
-    (--no-index), so nothing on the device side touches a network.
-    """
-    requirements = runtime_requirements()
-    with tempfile.TemporaryDirectory(prefix="wheels-", dir=root / "tmp") as tmp:
-        wheels = Path(tmp)
-        (wheels / "requirements.txt").write_text("\n".join(requirements) + "\n")
-        # Their dependencies too at the host's versions (found in its cache, and known to work).
-        (wheels / "constraints.txt").write_text("\n".join(_host_pins()) + "\n")
-        pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-        sh(
-            [
-                *pip,
-                "wheel",
-                "--quiet",
-                "-w",
-                str(wheels),
-                "-r",
-                str(wheels / "requirements.txt"),
-                "-c",
-                str(wheels / "constraints.txt"),
-            ],
-            timeout=BUILD_TIMEOUT_S,
-        )
-        inside = "/" + str(wheels.relative_to(root))
-        sh(["chroot", str(root), "python3", "-m", "venv", RUNTIME_VENV], timeout=300)
-        sh(
-            [
-                "chroot",
-                str(root),
-                f"{RUNTIME_VENV}/bin/pip",
-                "install",
-                "--quiet",
-                "--no-index",
-                "--disable-pip-version-check",
-                "--no-cache-dir",
-                "--find-links",
-                inside,
-                "-r",
-                f"{inside}/requirements.txt",
-            ],
-            timeout=BUILD_TIMEOUT_S,
-        )
 
 
 def _prepare(root: Path) -> None:

@@ -1,0 +1,124 @@
+"""The agent's requirements, a device platform's pip tags, and the wheelhouse cache.
+
+The cache tests point pip at a local folder of wheels only (PIP_NO_INDEX, PIP_FIND_LINKS): no
+index is reached. Their seed is our own agent wheelhouse in the shared cache, built (once per
+machine, with the controller's pip configuration) by `agent_house`.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from deployer.errors import SitsError
+from deployer.push.bootstrap import build_wheel
+from deployer.push.facts import DevicePlatform
+from deployer.push.wheelhouse import PipTarget, agent_requirements, build_wheelhouse
+from tests.fleet.agent_packages import CONTROLLER_ONLY, canonical
+
+PROJECT = Path(__file__).resolve().parents[2]
+HERE = DevicePlatform(
+    python=f"{sys.version_info[0]}.{sys.version_info[1]}",
+    implementation=sys.implementation.name,
+    machine=platform.machine(),
+    libc=platform.libc_ver()[0],
+    libc_version=platform.libc_ver()[1],
+)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    return build_wheel(PROJECT, tmp_path_factory.mktemp("wheel"))
+
+
+def test_agent_extras_repeat_the_controllers_specifiers_and_hold_no_controller_package():
+    project = tomllib.loads((PROJECT / "pyproject.toml").read_text())["project"]
+    base = {canonical(Requirement(r).name): Requirement(r).specifier for r in project["dependencies"]}
+    extras = project["optional-dependencies"]
+    for extra in ("agent", "agent-torch"):
+        for line in extras[extra]:
+            req = Requirement(line)
+            assert base.get(canonical(req.name)) == req.specifier, (
+                f"{extra}: {line} differs from dependencies"
+            )
+    agent = {canonical(Requirement(r).name) for r in extras["agent"]}
+    assert agent.isdisjoint({canonical(p) for p in CONTROLLER_ONLY})
+
+
+@pytest.mark.parametrize(
+    ("engine", "system_torch", "has", "lacks"),
+    [
+        ("torch", False, {"torch", "tuf", "jinja2"}, {"llama-cpp-python", "paramiko", "rich"}),
+        ("llama.cpp", False, {"llama-cpp-python", "tuf"}, {"torch", "paramiko"}),
+        ("torch", True, {"tokenizers"}, {"torch", "llama-cpp-python"}),
+    ],
+)
+def test_requirements_come_from_the_wheels_own_metadata(wheel, engine, system_torch, has, lacks):
+    names = {
+        canonical(Requirement(r).name) for r in agent_requirements(wheel, engine, system_torch=system_torch)
+    }
+    assert has <= names and not (lacks & names)
+
+
+def test_an_engine_without_an_extra_is_refused(wheel):
+    with pytest.raises(SitsError, match="no extra agent-onnx"):
+        agent_requirements(wheel, "onnx")
+
+
+def test_pip_target_names_every_tag_the_device_accepts():
+    target = PipTarget.of(DevicePlatform("3.10", "cpython", "aarch64", "glibc", "2.35"))
+    assert target.platforms[0] == "manylinux_2_35_aarch64"
+    assert {"manylinux_2_17_aarch64", "manylinux2014_aarch64", "linux_aarch64"} <= set(target.platforms)
+    assert (
+        "manylinux_2_36_aarch64" not in target.platforms and "manylinux_2_16_aarch64" not in target.platforms
+    )
+    assert target.python_version == "310" and target.abis == ("cp310", "abi3", "none")
+    assert not target.runs_controller_builds()  # another CPU: a wheel built here would not run there
+    musl = PipTarget.of(DevicePlatform("3.11", "cpython", "x86_64", "musl", "1.2"))
+    assert musl.platforms == ("musllinux_1_2_x86_64", "musllinux_1_1_x86_64", "linux_x86_64")
+    assert PipTarget.of(HERE).runs_controller_builds()
+
+
+@pytest.mark.parametrize(
+    ("device", "match"),
+    [
+        (DevicePlatform("3.10", "pypy", "x86_64", "glibc", "2.36"), "CPython only"),
+        (DevicePlatform("3.11", "cpython", "x86_64", "", ""), "no wheel platform tag"),
+    ],
+)
+def test_a_platform_without_tags_is_refused(device, match):
+    with pytest.raises(SitsError, match=match):
+        PipTarget.of(device)
+
+
+@pytest.fixture(scope="module")
+def agent_house(wheel):
+    return build_wheelhouse(agent_requirements(wheel, "torch"), PipTarget.of(HERE))
+
+
+def test_the_agent_wheelhouse_takes_the_same_torch_as_pip_install(agent_house):
+    pins = dict(pin.split("==") for pin in agent_house.pins)
+    assert pins["torch"].split("+")[0] == "2.13.0"
+    assert not {canonical(name) for name in pins} & {canonical(p) for p in CONTROLLER_ONLY}
+
+
+def test_a_second_build_is_served_from_the_cache_and_a_tampered_one_is_rebuilt(
+    agent_house, tmp_path, monkeypatch
+):
+    target = PipTarget.of(HERE)
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(agent_house.folder))  # local wheels only
+    first = build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
+    assert [w.pin.split("==")[0] for w in first.wheels] == ["click"]
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nothing-here"))  # pip would fail now
+    again = build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
+    assert again == first
+    first.wheels[0].path.write_bytes(b"tampered")
+    with pytest.raises(SitsError, match="No matching distribution"):  # rebuilt: pip finds nothing
+        build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
