@@ -51,7 +51,7 @@ class LinearWeights:
 def dequantize(name: str, w: LinearWeights, layout: ModuleQuant | None) -> torch.Tensor:
     """The fp32 weight [out, in] that the stored tensors stand for (artifact-format.md)."""
     if layout is not None:
-        _check_shapes(name, w, layout)
+        check_shapes(name, w, layout)
     if layout is None or layout.scheme not in INTEGER_SCHEMES:
         return w.weight.float()
     if layout.scheme == "int8":
@@ -66,7 +66,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
 
 
-def _check_shapes(name: str, w: LinearWeights, layout: ModuleQuant) -> None:
+def check_shapes(name: str, w: LinearWeights, layout: ModuleQuant) -> None:
+    """Raise FormatError unless the stored tensors have the shapes and dtypes `layout` implies."""
     out, n_in = layout.out_features, layout.in_features
     if layout.scheme == "int8":
         expected = {"weight": ((out, n_in), torch.int8), "weight_scale": ((out,), None)}
@@ -206,7 +207,7 @@ def build_linear(
     """
     if layout is None or layout.scheme not in INTEGER_SCHEMES:
         if layout is not None:
-            _check_shapes(name, w, layout)
+            check_shapes(name, w, layout)
         weight = w.weight.to(device, dtype)
         return FloatLinear(weight, _maybe(w.bias, device, dtype)), KERNEL_LINEAR
     reference = dequantize(name, w, layout)
