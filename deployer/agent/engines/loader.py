@@ -132,7 +132,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def choose_dtype(
-    requested: str, facts: ArtifactFacts, weights: WeightFiles, device: torch.device
+    requested: str, facts: ArtifactFacts, weights: WeightFiles | MemoryWeights, device: torch.device
 ) -> torch.dtype:
     """The compute dtype: as requested, or for "auto" fp32 for all-fp32 weights, else the
     dtype the device's kernels like (bf16; fp16 on CUDA for fp16 weights)."""
@@ -152,9 +152,52 @@ def load_model(directory: Path, *, device: str, dtype: str, max_context: int, sl
     """Load `directory` onto `device`, with a KV cache of `slots` sequences of
     min(max_context, model context) positions."""
     config = read_json(directory / "config.json")
-    args = args_from_config(config, directory / "config.json")
     weights = WeightFiles(directory)
     facts = read_facts(directory, weights)
+    return build_model(
+        config, weights, facts, directory, device=device, dtype=dtype, max_context=max_context, slots=slots
+    )
+
+
+class MemoryWeights:
+    """Tensors already in memory, under checkpoint names (benchmarks on random weights)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def names(self) -> set[str]:
+        """Names of all tensors."""
+        return set(self._tensors)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype of `name`."""
+        return self._tensors[name].dtype
+
+    def get(self, name: str) -> torch.Tensor | None:
+        """The tensor `name`, or None when absent."""
+        return self._tensors.get(name)
+
+    def require(self, name: str) -> torch.Tensor:
+        """Like get, but a missing tensor is a FormatError."""
+        if name not in self._tensors:
+            raise FormatError(f"tensor {name!r} is missing from the weights")
+        return self._tensors[name]
+
+
+def build_model(
+    config: dict[str, Any],
+    weights: WeightFiles | MemoryWeights,
+    facts: ArtifactFacts,
+    where: Path,
+    *,
+    device: str,
+    dtype: str,
+    max_context: int,
+    slots: int = 1,
+) -> LoadedModel:
+    """The model of `config` on `device` from `weights`, quantized as `facts` say; `where` names
+    the source in errors."""
+    args = args_from_config(config, where / "config.json")
     dev = torch.device(device)
     compute = choose_dtype(dtype, facts, weights, dev)
     with torch.device("meta"):
@@ -164,13 +207,13 @@ def load_model(directory: Path, *, device: str, dtype: str, max_context: int, sl
     _fill_plain(model, weights, dev, compute, used)
     if "lm_head" not in kernels:
         if config.get("tie_word_embeddings") is False:
-            raise FormatError(f"{directory}: lm_head.weight is missing and the head is not tied")
+            raise FormatError(f"{where}: lm_head.weight is missing and the head is not tied")
         # Tied output head: the embedding matrix serves as the head, not stored twice.
         model.lm_head = build_linear(
             "lm_head", LinearWeights(model.model.embed_tokens.weight), None, dev, compute
         )[0]
         kernels["lm_head"] = KERNEL_LINEAR
-    _check_all_used(directory, weights, used)
+    _check_all_used(where, weights, used)
     model.setup_caches(slots, min(max_context, args.max_position_embeddings), compute, dev)
     model.eval()
     return LoadedModel(model, args, facts, config, compute, dev, kernels)
@@ -185,7 +228,7 @@ FUSED_PROJECTIONS = {
 
 def _fill_linears(
     model: Transformer,
-    weights: WeightFiles,
+    weights: WeightFiles | MemoryWeights,
     facts: ArtifactFacts,
     device: torch.device,
     dtype: torch.dtype,
@@ -277,7 +320,11 @@ def _concat(
 
 
 def _fill_plain(
-    model: Transformer, weights: WeightFiles, device: torch.device, dtype: torch.dtype, used: set[str]
+    model: Transformer,
+    weights: WeightFiles | MemoryWeights,
+    device: torch.device,
+    dtype: torch.dtype,
+    used: set[str],
 ) -> None:
     # Embedding and norms: what is left on the meta device after the linears (but a tied head).
     for name, param in list(model.named_parameters()):
@@ -292,7 +339,7 @@ def _fill_plain(
         used.add(name)
 
 
-def _check_all_used(directory: Path, weights: WeightFiles, used: set[str]) -> None:
+def _check_all_used(directory: Path, weights: WeightFiles | MemoryWeights, used: set[str]) -> None:
     unused = sorted(n for n in weights.names() - used if not n.endswith(_IGNORED_SUFFIXES))
     if unused:
         raise FormatError(
