@@ -214,13 +214,16 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         rows: torch.Tensor,
         pos: torch.Tensor,
+        kv_len: int | None,
     ) -> torch.Tensor:
         """One new position per row: x [B, 1, dim] for cache rows 0..B-1 at positions `pos` [B].
 
-        Every shape is fixed (B and the cache length), so the step can be compiled and captured.
+        With `kv_len` None every shape is fixed (the whole cache is attended, `mask` True where a
+        key is hidden), so the step can be compiled and captured. Eager callers pass the keys in
+        use (`kv_len`) and `mask` True where a key is seen (None: all), for torch's fused attention.
         """
         b = x.shape[0]
         q, k, v = self._qkv(x)
@@ -229,12 +232,16 @@ class Attention(nn.Module):
         cache.k[rows, :, pos] = k[:, :, 0]
         cache.v[rows, :, pos] = v[:, :, 0]
         keys, values = cache.k[:b], cache.v[:b]
-        # Grouped heads as a batched matmul on the cache itself: no repeated keys.
-        group = self.n_heads // self.n_kv
-        qg = q.reshape(b, self.n_kv, group, self.head_dim)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.head_dim**-0.5
-        scores = scores.float().masked_fill(mask, float("-inf"))
-        y = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
+        if kv_len is not None:
+            keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        else:
+            # Grouped heads as a batched matmul on the cache itself: no repeated keys.
+            group = self.n_heads // self.n_kv
+            qg = q.reshape(b, self.n_kv, group, self.head_dim)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.head_dim**-0.5
+            scores = scores.float().masked_fill(mask, float("-inf"))
+            y = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
         return self.o_proj(y.reshape(b, 1, self.n_heads * self.head_dim))
 
 
@@ -275,12 +282,13 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         rows: torch.Tensor,
         pos: torch.Tensor,
+        kv_len: int | None = None,
     ) -> torch.Tensor:
-        """One decode step of this block for cache rows 0..B-1."""
-        h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, rows, pos)
+        """One decode step of this block for cache rows 0..B-1 (see Attention.decode)."""
+        h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, rows, pos, kv_len)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def prefill(
@@ -368,23 +376,35 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))
 
-    def decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         """Advance cache rows 0..B-1: tokens [B] at positions pos [B]; logits [B, V].
 
-        A row at `scratch_position` computes garbage and touches no real position.
+        `kv_len` None attends over the whole cache (fixed shapes: compile, CUDA graphs); eager
+        callers pass max(pos) + 1 to attend only the positions in use. A row at
+        `scratch_position` computes garbage and touches no real position.
         """
         b = tokens.shape[0]
         rows = self.rows[:b]
         cos = self.rope_cos[pos][:, None, None, :]
         sin = self.rope_sin[pos][:, None, None, :]
-        # masked_fill wants True where a key is hidden: keys after the query (or out of window).
-        hidden = self.key_positions[None, :] > pos[:, None]
-        if self.args.sliding_window:
-            hidden |= pos[:, None] - self.key_positions[None, :] >= self.args.sliding_window
-        mask = hidden[:, None, None, :]
+        window = self.args.sliding_window
+        keys = self.key_positions if kv_len is None else self.key_positions[:kv_len]
+        if kv_len is None:
+            # masked_fill wants True where a key is hidden: keys after the query (or out of window).
+            mask = keys[None, :] > pos[:, None]
+            if window:
+                mask |= pos[:, None] - keys[None, :] >= window
+            mask = mask[:, None, None, :]
+        elif b == 1 and not (window and kv_len > window):
+            mask = None  # one row sees every key up to its own position
+        else:
+            visible = keys[None, :] <= pos[:, None]
+            if window:
+                visible &= pos[:, None] - keys[None, :] < window
+            mask = visible[:, None, None, :]
         x = self.model.embed_tokens(tokens[:, None])
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, rows, pos)
+            x = layer(x, cos, sin, mask, rows, pos, kv_len)
         return self.lm_head(self.model.norm(x))[:, 0]
 
 

@@ -252,7 +252,8 @@ class TorchEngine(Engine):
             graph[0].replay()
             logits = graph[1]
         else:
-            logits = loaded.model.decode(self._io[0, :bucket], self._io[1, :bucket])
+            kv_len = max(len(state.held) for state in states) + 1
+            logits = loaded.model.decode(self._io[0, :bucket], self._io[1, :bucket], kv_len)
         tokens = choose(logits[: max(slots) + 1], _samplers_for(states, slots))
         out = []
         for s, state in zip(slots, states, strict=True):
