@@ -252,7 +252,9 @@ class TorchEngine(Engine):
             graph[0].replay()
             logits = graph[1]
         else:
-            kv_len = max(len(state.held) for state in states) + 1
+            # Eager layers attend only the positions in use; compiled ones keep the fixed shapes,
+            # or every new length would compile again.
+            kv_len = None if self._decode.compiled else max(len(state.held) for state in states) + 1
             logits = loaded.model.decode(self._io[0, :bucket], self._io[1, :bucket], kv_len)
         tokens = choose(logits[: max(slots) + 1], _samplers_for(states, slots))
         out = []
