@@ -1,15 +1,22 @@
-"""Engine bench: SmolLM2-135M-Instruct, batch 1, greedy.
+"""Engine bench: one table, the baselines measured in the same run.
 
-Rows: transformers `generate` in fp32 (the baseline), then our torch engine on fp32, bf16, int8
-and int4 (group 32) weights, each at 1 and 2 threads (CPU). Each row runs in its own process, so
-its peak RSS is its own. Figures are the best of `--repeats` runs, because the CI machine is
-shared and a slow run measures the neighbours, not us.
+CPU (real SmolLM2-135M-Instruct, batch 1, greedy): transformers `generate` in fp32 and
+llama.cpp (llama-cpp-python in-process, the shipped Q4_1 GGUF) as baselines, then our torch
+engine on fp32, bf16, int8 and int4 (group 32) weights, and int4 with the decode layer
+compiled (inductor's CPU backend). Each row runs in its own process, so its peak RSS is its own.
+Figures are the best of `--repeats` runs, because the CI machine is shared and a slow run
+measures the neighbours, not us. Targets: int4 >= 0.8x llama.cpp Q4_1, fp32 >= 2x transformers.
 
-    PYTHONPATH=. .venv/bin/python bench/engine.py                # CPU, threads 1 and 2
-    PYTHONPATH=. .venv/bin/python bench/engine.py --device cuda  # one GPU
+GPU (`--device cuda`, random weights in SmolLM2-135M's and a Qwen2.5-1.5B-like shape, bf16,
+int4-g32, int8): our engine against a gpt-fast-style loop on the same kernels
+(bench/engine_gpu.py, bench/gptfast_ref.py). Targets: batch 1 >= 0.8x the reference, int4 >=
+bf16, batch 16 >= 8x batch 1, first token <= 20 ms, peak memory <= weights + KV cache + 20%.
 
-Columns: load (s), time to first token (ms, prefill of the prompt plus one step), decode
-tokens/s (after the first token), peak RSS of the process (MB; on CUDA also peak GPU memory).
+    PYTHONPATH=. .venv/bin/python bench/engine.py --threads 2    # CPU
+    PYTHONPATH=. python bench/engine.py --device cuda            # one GPU
+
+Columns (CPU): load (s), time to first token (ms, prefill of the prompt plus one step), decode
+tokens/s (after the first token), peak RSS of the process (MB).
 """
 
 from __future__ import annotations
@@ -26,22 +33,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.engine_gpu import SCHEMES, SHAPES, gpu_table, gpu_worker  # noqa: E402 (after the path)
+
 PROMPT = "Write a long story about a robot who learns to paint. Use many details."
 NEW_TOKENS = 64
 # label -> (engine, artifact scheme, int4 group size, compute dtype)
 ROWS = {
     "transformers fp32": ("transformers", "fp32", None, "fp32"),
+    "llama.cpp Q4_1": ("llama.cpp", "gguf", None, None),
     "ours fp32": ("ours", "fp32", None, "fp32"),
     "ours bf16": ("ours", "fp32", None, "bf16"),
     "ours int8": ("ours", "int8", None, "auto"),
     "ours int4-g32": ("ours", "int4", 32, "auto"),
+    "ours int4-g32 compiled": ("ours+compile", "int4", 32, "auto"),
 }
 
 
 def artifact_for(scheme: str, group_size: int | None) -> Path:
     """The SmolLM2 checkpoint (fp32) or an artifact built from it by our builder (cached)."""
-    from deployer.build.demo_model import cache_root, prepare_smollm2
+    from deployer.build.demo_model import cache_root, prepare_smollm2, smollm2_gguf_path
 
+    if scheme == "gguf":
+        return smollm2_gguf_path()
     source = prepare_smollm2()
     if scheme == "fp32":
         return source
@@ -60,13 +73,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(path: Path, dtype: str, device: str, repeats: int) -> dict:
+def run_ours(path: Path, dtype: str, device: str, repeats: int, compile_: str = "auto") -> dict:
     """Load our engine, then time first token and decode over `repeats` runs."""
     from deployer.agent.engines.base import ChatMessage, SamplingParams
     from deployer.agent.engines.torch_engine import TorchEngine
 
     started = time.perf_counter()
-    engine = TorchEngine(device=device, dtype=dtype, max_context=512)
+    engine = TorchEngine(device=device, dtype=dtype, max_context=512, compile=compile_)
     engine.load(path)
     load_s = time.perf_counter() - started
     engine.warmup()
@@ -74,6 +87,8 @@ def run_ours(path: Path, dtype: str, device: str, repeats: int) -> dict:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
     best_ttft, best_tps, tokens, text = float("inf"), 0.0, 0, ""
     for _ in range(repeats):
+        engine.release(0)
+        engine._state[0].held = []  # no prefix reuse: time the whole prefill
         start = time.perf_counter()
         stamps, pieces = [], []
         for event in engine.stream(prompt, params):
@@ -138,6 +153,42 @@ def run_transformers(path: Path, device: str, repeats: int) -> dict:
     }
 
 
+def run_llamacpp(gguf: Path, threads: int, repeats: int) -> dict:
+    """llama-cpp-python in-process on the GGUF: the same chat prompt, greedy, streamed."""
+    from llama_cpp import Llama
+
+    from deployer.build.demo_model import prepare_smollm2
+
+    started = time.perf_counter()
+    llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - started
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
+    best_ttft, best_tps, text = float("inf"), 0.0, ""
+    for _ in range(repeats + 1):  # the first is a warm-up
+        llm.reset()
+        start, stamps, pieces = time.perf_counter(), [], []
+        for chunk in llm.create_completion(prompt, max_tokens=NEW_TOKENS, temperature=0.0, stream=True):
+            stamps.append(time.perf_counter())
+            pieces.append(chunk["choices"][0]["text"])
+        best_ttft = min(best_ttft, stamps[0] - start)
+        best_tps = max(best_tps, (len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        text = "".join(pieces)
+    return {
+        "load_s": load_s,
+        "ttft_ms": best_ttft * 1000,
+        "decode_tps": best_tps,
+        "tokens": len(stamps),
+        "kernel": "llama.cpp Q4_1",
+        "dtype": "q4_1",
+        "text": text[:60],
+    }
+
+
 def worker(label: str, threads: int, device: str, repeats: int) -> dict:
     """One row, in this process: set threads, run, add peak memory."""
     import torch
@@ -147,8 +198,10 @@ def worker(label: str, threads: int, device: str, repeats: int) -> dict:
     path = artifact_for(scheme, group)
     if engine == "transformers":
         result = run_transformers(path, device, repeats)
+    elif engine == "llama.cpp":
+        result = run_llamacpp(path, threads, repeats)
     else:
-        result = run_ours(path, dtype, device, repeats)
+        result = run_ours(path, dtype, device, repeats, "on" if engine == "ours+compile" else "auto")
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device == "cuda":
         result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -172,6 +225,7 @@ def print_table(results: list[tuple[str, int, dict]], device: str) -> None:
     from rich.table import Table
 
     baseline = {t: r.get("decode_tps") for label, t, r in results if label.startswith("transformers")}
+    llamacpp = {t: r.get("decode_tps") for label, t, r in results if label.startswith("llama.cpp")}
     table = Table(title=f"SmolLM2-135M-Instruct, batch 1, greedy, {NEW_TOKENS} new tokens, {device}")
     for column in (
         "engine / weights",
@@ -180,7 +234,8 @@ def print_table(results: list[tuple[str, int, dict]], device: str) -> None:
         "load s",
         "TTFT ms",
         "decode tok/s",
-        "x baseline",
+        "x transformers",
+        "x llama.cpp",
         "peak RSS MB",
         *(["peak GPU MB"] if device == "cuda" else []),
     ):
@@ -189,8 +244,9 @@ def print_table(results: list[tuple[str, int, dict]], device: str) -> None:
         if "error" in r:
             table.add_row(label, str(threads), f"[red]{r['error'][:60]}[/red]")
             continue
-        base = baseline.get(threads)
+        base, lcpp = baseline.get(threads), llamacpp.get(threads)
         ratio = f"{r['decode_tps'] / base:.2f}" if base else "-"
+        ratio_lcpp = f"{r['decode_tps'] / lcpp:.2f}" if lcpp else "-"
         cells = [
             label,
             str(threads),
@@ -199,6 +255,7 @@ def print_table(results: list[tuple[str, int, dict]], device: str) -> None:
             f"{r['ttft_ms']:.0f}",
             f"{r['decode_tps']:.1f}",
             ratio,
+            ratio_lcpp,
             f"{r['peak_rss_mb']:.0f}",
         ]
         if device == "cuda":
@@ -211,6 +268,30 @@ def print_table(results: list[tuple[str, int, dict]], device: str) -> None:
             console.print(f"[dim]{label} @{threads}: {r['text']!r}[/dim]")
 
 
+def run_gpu(shapes: list[str], schemes: list[str], repeats: int, device: str) -> None:
+    """Every GPU row, each in a fresh interpreter, then one table."""
+    from rich.console import Console
+
+    rows, errors = [], []
+    for shape in shapes:
+        for scheme in schemes:
+            cmd = [sys.executable, __file__, "--gpu-worker", shape, scheme, "--repeats", str(repeats)]
+            cmd += ["--device", device]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            sys.stderr.write(done.stderr[-3000:])
+            if done.returncode != 0:
+                tail = done.stderr.strip().splitlines()[-3:]
+                errors.append((f"{shape} {scheme}", " | ".join(tail) or f"exit {done.returncode}"))
+                continue
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    import torch
+
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+    print(f"{name}, torch {torch.__version__}")
+    Console(width=250).print(gpu_table(rows, errors))
+
+
 def main() -> None:
     """Parse flags; either run one row (--worker) or all rows and print the table."""
     parser = argparse.ArgumentParser(
@@ -220,10 +301,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="*", default=None, help="default: 1 2 (CPU)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument(
+        "--shapes", nargs="*", default=None, choices=list(SHAPES), help="GPU rows (all but tiny)"
+    )
+    parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES), help="GPU rows")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--gpu-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.threads[0], args.device, args.repeats)))
+        return
+    if args.gpu_worker:
+        print(json.dumps(gpu_worker(*args.gpu_worker, args.repeats, args.device)))
+        return
+    if args.device == "cuda" or args.shapes:
+        run_gpu(args.shapes or [s for s in SHAPES if s != "tiny"], args.schemes, args.repeats, args.device)
         return
     threads = args.threads or ([1, 2] if args.device == "cpu" else [1])
     for scheme, group in {(ROWS[r][1], ROWS[r][2]) for r in args.rows}:

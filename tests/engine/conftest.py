@@ -94,3 +94,28 @@ def _engine_on(directory: Path, **kwargs: object) -> TorchEngine:
 def engine_on() -> Callable[..., TorchEngine]:
     """engine_on(dir, **kwargs): a loaded TorchEngine (fp32, 256 positions unless told otherwise)."""
     return _engine_on
+
+
+@pytest.fixture(scope="session")
+def varied_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """A seeded random transformers Llama whose wide initialisation (std 0.3) makes greedy
+    decoding wander over many tokens with clear margins (the trained-looking tiny checkpoint
+    repeats one token), so 128-token comparisons mean something."""
+    import json
+
+    from transformers import AutoConfig
+
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+    return _hf_checkpoint(tmp_path_factory.mktemp("varied-model"), config, tiny_model_dir)

@@ -66,10 +66,12 @@ def test_other_architectures_match_transformers(
 def test_kv_cache_decode_equals_full_recompute(tiny_engine):
     ids = tiny_engine.encode(PROMPT)
     full = tiny_engine.logits(ids)
-    loaded, split = tiny_engine._require(), 5
-    # prefill the first tokens, then decode one position at a time on the cache
-    stepwise = [tiny_engine._forward(loaded, ids[:split], 0)]
-    stepwise += [tiny_engine._forward(loaded, [ids[pos]], pos) for pos in range(split, len(ids))]
+    model, split = tiny_engine._require().model, 5
+    # prefill the first tokens, then decode one position at a time on the cache (batched path)
+    with torch.inference_mode():
+        stepwise = [model.prefill(torch.tensor([ids[:split]]), 0, 0)[0, -1]]
+        for pos in range(split, len(ids)):
+            stepwise.append(model.decode(torch.tensor([ids[pos]]), torch.tensor([pos]))[0])
     torch.testing.assert_close(torch.stack(stepwise), full[split - 1 :], atol=1e-5, rtol=0)
 
 

@@ -41,3 +41,19 @@ def test_greedy_answer_mentions_paris(scheme, group_size, kernel, finish, smollm
     text = "".join(e.text for e in events)
     assert "Paris" in text
     assert events[-1].finish_reason == (finish or events[-1].finish_reason)
+
+
+def test_greedy_128_tokens_equal_transformers_generate(smollm2_dir, engine_on):
+    from transformers import AutoModelForCausalLM
+
+    engine = engine_on(smollm2_dir, max_context=512)
+    prompt = engine.chat_prompt(
+        [ChatMessage("user", "Write a long story about a robot who learns to paint.")]
+    )
+    tokens = [engine.prefill(0, prompt, SamplingParams(temperature=0))]
+    tokens += [engine.step([0])[0] for _ in range(127)]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # all 128 tokens, as the steps above
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=128, do_sample=False)[0, len(prompt) :]
+    assert tokens == want.tolist()

@@ -107,3 +107,26 @@ def test_same_seed_same_draws_and_temperature_flattens():
     b = [pick_token(logits, params, gen_b) for _ in range(50)]
     assert a == b
     assert len(set(a)) >= 3  # a hot temperature reaches unlikely tokens
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    logits = torch.tensor([1.0, 4.0, 3.0, 0.0, 3.5])
+    picks = {
+        pick_token(logits, SamplingParams(temperature=2.0, top_k=2), new_generator(s)) for s in range(200)
+    }
+    assert picks == {1, 4}
+    # top-p inside the top k: 0.6 of the renormalised top 3 is reached by the first two
+    both = SamplingParams(temperature=1.0, top_k=3, top_p=0.6)
+    assert {
+        pick_token(torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1])), both, new_generator(s)) for s in range(200)
+    } == {0, 1}
+
+
+def test_a_nucleus_wider_than_the_candidates_is_still_exact():
+    # 1800 equally likely tokens make up 0.9 of the mass: more than the 1024 topk candidates
+    logits = torch.full((2000,), -30.0)
+    logits[:1800] = 0.0
+    gen = new_generator(0)
+    picks = [pick_token(logits, SamplingParams(temperature=1.0, top_p=0.9), gen) for _ in range(3000)]
+    assert max(picks) < 1800
+    assert len(set(picks)) > 1024

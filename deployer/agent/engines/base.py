@@ -26,11 +26,13 @@ class ChatMessage:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 means greedy; `seed` makes sampling repeatable."""
+    """How to pick tokens. temperature 0 means greedy; `seed` makes sampling repeatable;
+    top_k 0 keeps every token."""
 
     max_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
@@ -47,6 +49,8 @@ def check_params(params: SamplingParams) -> None:
         raise AgentError(f"temperature must be a finite number >= 0, got {params.temperature}")
     if not (0 < params.top_p <= 1):
         raise AgentError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise AgentError(f"top_k must be 0 (off) or a positive number, got {params.top_k}")
 
 
 def token_budget(prompt: Sequence[int], params: SamplingParams, context_length: int) -> int:

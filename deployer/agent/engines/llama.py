@@ -1,10 +1,11 @@
-"""A gpt-fast-style decoder for Llama, Qwen2 and Mistral checkpoints, batch size 1.
+"""A gpt-fast-style decoder for Llama, Qwen2 and Mistral checkpoints over a batch of cache slots.
 
 RMSNorm, rotary embeddings, grouped-query attention over a static KV cache, SwiGLU MLP. Prefill
-(many tokens) and decode (one token) share one forward pass; `start` says where the tokens go in
-the cache. The linear layers are plugged in from outside (`qlinear`), so the same module tree
-runs fp32, bf16, int8 or int4 weights. The tree is built on the meta device and filled in by
-the loader, so building it allocates nothing.
+runs one slot's prompt from `start` (a prefix already in the slot is skipped); decode advances
+several slots by one token with fixed shapes (what torch.compile and CUDA graphs take). The
+linear layers are plugged in from outside (`qlinear`), so the same module tree runs fp32, bf16,
+int8 or int4 weights. The tree is built on the meta device and filled in by the loader, so
+building it allocates nothing.
 """
 
 from __future__ import annotations
@@ -138,20 +139,14 @@ class RMSNorm(nn.Module):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys and values for `max_len` positions of one sequence."""
+    """Preallocated keys and values: `slots` sequences of `max_len` positions, plus one scratch
+    position (index `max_len`) where rows that take no part in a decode step write harmlessly."""
 
-    def __init__(self, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, slots: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
-        shape = (1, n_kv_heads, max_len, head_dim)
+        shape = (slots, n_kv_heads, max_len + 1, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
-
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v at positions start.. and return the cache up to the last written position."""
-        end = start + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -159,63 +154,121 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary positions and a static KV cache."""
+    """Grouped-query self-attention with rotary positions and a static KV cache.
+
+    q, k and v come from one fused projection (`qkv_proj`) where the loader could fuse them,
+    else from three.
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.window = args.sliding_window
         self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.qkv_proj: nn.Module | None = None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int) -> torch.Tensor:
-        """Attend the T new positions (start..start+T) to every cached position up to them."""
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, H, T, hd], k and v [B, KV, T, hd] (not yet rotated)."""
+        b, t, _ = x.shape
+        if self.qkv_proj is not None:
+            q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def prefill(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        slot: int,
+        start: int,
+    ) -> torch.Tensor:
+        """Attend the T new positions (start..start+T) of `slot` to its cached positions up to them."""
         _, t, _ = x.shape
-        q = self.q_proj(x).view(1, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(1, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(1, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        keys, values = self.kv_cache.update(start, k, v)
-        mask = None
-        if t > 1 or (self.window and keys.shape[2] > self.window):
-            mask = _attention_mask(start, t, keys.shape[2], self.window, x.device)
+        q, k, v = self._qkv(x)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        end = start + t
+        cache = self.kv_cache
+        cache.k[slot : slot + 1, :, start:end] = k
+        cache.v[slot : slot + 1, :, start:end] = v
+        keys, values = cache.k[slot : slot + 1, :, :end], cache.v[slot : slot + 1, :, :end]
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
 
+    def decode(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        kv_len: int | None,
+    ) -> torch.Tensor:
+        """One new position per row: x [B, 1, dim] for cache rows 0..B-1 at positions `pos` [B].
 
-def _attention_mask(
-    start: int, t: int, n_keys: int, window: int | None, device: torch.device
-) -> torch.Tensor:
-    """Boolean [t, n_keys]: query i (at start+i) sees key j when j <= start+i (and within window)."""
-    q_pos = torch.arange(start, start + t, device=device)[:, None]
-    k_pos = torch.arange(n_keys, device=device)[None, :]
-    allowed = k_pos <= q_pos
-    if window:
-        allowed &= q_pos - k_pos < window
-    return allowed
+        With `kv_len` None every shape is fixed (the whole cache is attended, `mask` True where a
+        key is hidden), so the step can be compiled and captured. Eager callers pass the keys in
+        use (`kv_len`) and `mask` True where a key is seen (None: all), for torch's fused attention.
+        """
+        b = x.shape[0]
+        q, k, v = self._qkv(x)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        cache = self.kv_cache
+        cache.k[rows, :, pos] = k[:, :, 0]
+        cache.v[rows, :, pos] = v[:, :, 0]
+        keys, values = cache.k[:b], cache.v[:b]
+        if kv_len is not None:
+            keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        else:
+            # Grouped heads as a batched matmul on the cache itself: no repeated keys.
+            group = self.n_heads // self.n_kv
+            qg = q.reshape(b, self.n_kv, group, self.head_dim)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.head_dim**-0.5
+            scores = scores.float().masked_fill(mask, float("-inf"))
+            y = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
+        return self.o_proj(y.reshape(b, 1, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up fused into `gate_up_proj` where possible."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the gated MLP."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP with residual connections."""
+    """Pre-norm attention and MLP with residual connections.
+
+    `forward` is the decode step (fixed shapes: what gets compiled); `prefill` runs a prompt.
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -224,9 +277,31 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int) -> torch.Tensor:
-        """One transformer block."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, start)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        kv_len: int | None = None,
+    ) -> torch.Tensor:
+        """One decode step of this block for cache rows 0..B-1 (see Attention.decode)."""
+        h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, rows, pos, kv_len)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def prefill(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        slot: int,
+        start: int,
+    ) -> torch.Tensor:
+        """This block over a prompt chunk of one slot."""
+        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, slot, start)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -241,7 +316,12 @@ class DecoderStack(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The whole network. Module names equal the checkpoint's, so tensors map one to one."""
+    """The whole network. Module names equal the checkpoint's, so tensors map one to one.
+
+    The KV cache holds `slots` sequences. `prefill` runs one slot's prompt; `decode` advances
+    cache rows 0..B-1 by one position each, with every position, mask and rotary angle computed
+    on the device from a positions tensor, so it has the same shapes at every step.
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -249,33 +329,83 @@ class Transformer(nn.Module):
         self.model = DecoderStack(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_len = 0
+        self.slots = 0
 
-    def setup_caches(self, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate the KV caches and the rotary tables for `max_len` positions."""
-        self.max_len = max_len
+    def setup_caches(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the KV caches (`slots` x `max_len` positions) and the rotary tables."""
+        self.max_len, self.slots = max_len, slots
         a = self.args
         for layer in self.model.layers:
-            layer.self_attn.kv_cache = KVCache(a.n_kv_heads, max_len, a.head_dim, dtype).to(device)
-        cos, sin = rope_tables(a.head_dim, a.rope_theta, max_len, device)
+            cache = KVCache(slots, a.n_kv_heads, max_len, a.head_dim, dtype).to(device)
+            layer.self_attn.kv_cache = cache
+        cos, sin = rope_tables(a.head_dim, a.rope_theta, max_len + 1, device)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        self.register_buffer("key_positions", torch.arange(max_len + 1, device=device), persistent=False)
+        self.register_buffer("rows", torch.arange(slots, device=device), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, start: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens [1, T] placed at positions start..start+T; return logits [1, T or 1, V].
+    @property
+    def scratch_position(self) -> int:
+        """The cache position a row writes to when it takes no part in a decode step."""
+        return self.max_len
+
+    def prefill(self, tokens: torch.Tensor, slot: int, start: int, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens [1, T] of `slot` at positions start..start+T; logits [1, T or 1, V].
 
         Only the last position's logits are computed unless `all_logits` (tests, perplexity).
         """
         t = tokens.shape[1]
+        if not 0 <= slot < self.slots:
+            raise AgentError(f"slot {slot} does not exist (the cache holds {self.slots})")
         if start + t > self.max_len:
             raise AgentError(f"positions {start}..{start + t} exceed the KV cache ({self.max_len})")
         cos = self.rope_cos[start : start + t]
         sin = self.rope_sin[start : start + t]
+        # One mask for every layer, built only when some key must be hidden.
+        window = self.args.sliding_window
+        mask = None
+        if t > 1 or (window and start + t > window):
+            q_pos = torch.arange(start, start + t, device=tokens.device)[:, None]
+            mask = self.key_positions[None, : start + t] <= q_pos
+            if window:
+                mask &= q_pos - self.key_positions[None, : start + t] < window
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, start)
+            x = layer.prefill(x, cos, sin, mask, slot, start)
         if not all_logits:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))
+
+    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        """Advance cache rows 0..B-1: tokens [B] at positions pos [B]; logits [B, V].
+
+        `kv_len` None attends over the whole cache (fixed shapes: compile, CUDA graphs); eager
+        callers pass max(pos) + 1 to attend only the positions in use. A row at
+        `scratch_position` computes garbage and touches no real position.
+        """
+        b = tokens.shape[0]
+        rows = self.rows[:b]
+        cos = self.rope_cos[pos][:, None, None, :]
+        sin = self.rope_sin[pos][:, None, None, :]
+        window = self.args.sliding_window
+        keys = self.key_positions if kv_len is None else self.key_positions[:kv_len]
+        if kv_len is None:
+            # masked_fill wants True where a key is hidden: keys after the query (or out of window).
+            mask = keys[None, :] > pos[:, None]
+            if window:
+                mask |= pos[:, None] - keys[None, :] >= window
+            mask = mask[:, None, None, :]
+        elif b == 1 and not (window and kv_len > window):
+            mask = None  # one row sees every key up to its own position
+        else:
+            visible = keys[None, :] <= pos[:, None]
+            if window:
+                visible &= pos[:, None] - keys[None, :] < window
+            mask = visible[:, None, None, :]
+        x = self.model.embed_tokens(tokens[:, None])
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, rows, pos, kv_len)
+        return self.lm_head(self.model.norm(x))[:, 0]
 
 
 def rope_tables(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from deployer.agent.engines.llama import ModelArgs, Transformer, args_from_config
-from deployer.agent.engines.qlinear import KERNEL_LINEAR, LinearWeights, build_linear
+from deployer.agent.engines.qlinear import KERNEL_LINEAR, LinearWeights, build_linear, check_shapes
 from deployer.core.fsutil import read_json_object
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant
@@ -132,7 +132,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def choose_dtype(
-    requested: str, facts: ArtifactFacts, weights: WeightFiles, device: torch.device
+    requested: str, facts: ArtifactFacts, weights: WeightFiles | MemoryWeights, device: torch.device
 ) -> torch.dtype:
     """The compute dtype: as requested, or for "auto" fp32 for all-fp32 weights, else the
     dtype the device's kernels like (bf16; fp16 on CUDA for fp16 weights)."""
@@ -148,12 +148,56 @@ def choose_dtype(
     return torch.bfloat16
 
 
-def load_model(directory: Path, *, device: str, dtype: str, max_context: int) -> LoadedModel:
-    """Load `directory` onto `device`, with a KV cache of min(max_context, model context)."""
+def load_model(directory: Path, *, device: str, dtype: str, max_context: int, slots: int = 1) -> LoadedModel:
+    """Load `directory` onto `device`, with a KV cache of `slots` sequences of
+    min(max_context, model context) positions."""
     config = read_json(directory / "config.json")
-    args = args_from_config(config, directory / "config.json")
     weights = WeightFiles(directory)
     facts = read_facts(directory, weights)
+    return build_model(
+        config, weights, facts, directory, device=device, dtype=dtype, max_context=max_context, slots=slots
+    )
+
+
+class MemoryWeights:
+    """Tensors already in memory, under checkpoint names (benchmarks on random weights)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def names(self) -> set[str]:
+        """Names of all tensors."""
+        return set(self._tensors)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype of `name`."""
+        return self._tensors[name].dtype
+
+    def get(self, name: str) -> torch.Tensor | None:
+        """The tensor `name`, or None when absent."""
+        return self._tensors.get(name)
+
+    def require(self, name: str) -> torch.Tensor:
+        """Like get, but a missing tensor is a FormatError."""
+        if name not in self._tensors:
+            raise FormatError(f"tensor {name!r} is missing from the weights")
+        return self._tensors[name]
+
+
+def build_model(
+    config: dict[str, Any],
+    weights: WeightFiles | MemoryWeights,
+    facts: ArtifactFacts,
+    where: Path,
+    *,
+    device: str,
+    dtype: str,
+    max_context: int,
+    slots: int = 1,
+) -> LoadedModel:
+    """The model of `config` on `device` from `weights`, quantized as `facts` say; `where` names
+    the source in errors."""
+    args = args_from_config(config, where / "config.json")
     dev = torch.device(device)
     compute = choose_dtype(dtype, facts, weights, dev)
     with torch.device("meta"):
@@ -163,54 +207,124 @@ def load_model(directory: Path, *, device: str, dtype: str, max_context: int) ->
     _fill_plain(model, weights, dev, compute, used)
     if "lm_head" not in kernels:
         if config.get("tie_word_embeddings") is False:
-            raise FormatError(f"{directory}: lm_head.weight is missing and the head is not tied")
+            raise FormatError(f"{where}: lm_head.weight is missing and the head is not tied")
         # Tied output head: the embedding matrix serves as the head, not stored twice.
         model.lm_head = build_linear(
             "lm_head", LinearWeights(model.model.embed_tokens.weight), None, dev, compute
         )[0]
         kernels["lm_head"] = KERNEL_LINEAR
-    _check_all_used(directory, weights, used)
-    model.setup_caches(min(max_context, args.max_position_embeddings), compute, dev)
+    _check_all_used(where, weights, used)
+    model.setup_caches(slots, min(max_context, args.max_position_embeddings), compute, dev)
     model.eval()
     return LoadedModel(model, args, facts, config, compute, dev, kernels)
 
 
+# Projections that read the same input and run as one matmul when their layouts agree.
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
 def _fill_linears(
     model: Transformer,
-    weights: WeightFiles,
+    weights: WeightFiles | MemoryWeights,
     facts: ArtifactFacts,
     device: torch.device,
     dtype: torch.dtype,
     used: set[str],
 ) -> dict[str, str]:
-    kernels: dict[str, str] = {}
+    stored: dict[str, tuple[LinearWeights, ModuleQuant | None]] = {}
     names = weights.names()
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in linears:
         if name == "lm_head" and f"{name}.weight" not in names:
             continue
         parts = {k: f"{name}.{k}" for k in ("weight", "bias", "weight_scale", "weight_zero")}
-        stored = LinearWeights(
+        w = LinearWeights(
             weight=weights.require(parts["weight"]),
             bias=weights.get(parts["bias"]),
             scale=weights.get(parts["weight_scale"]),
             zero=weights.get(parts["weight_zero"]),
         )
         layout = facts.modules.get(name)
-        shape = (layout.out_features, layout.in_features) if layout else tuple(stored.weight.shape)
+        shape = (layout.out_features, layout.in_features) if layout else tuple(w.weight.shape)
         if shape != tuple(module.weight.shape):
             raise FormatError(
                 f"{name}: weights are {list(shape)} but config.json implies {list(module.weight.shape)}",
                 hint="the weights do not match config.json; rebuild the artifact",
             )
+        if layout is not None:
+            check_shapes(name, w, layout)  # before any concatenation, so errors name the module
         used.update(p for p in parts.values() if p in names)
-        layer, kernels[name] = build_linear(name, stored, layout, device, dtype)
-        model.set_submodule(name, layer)
+        stored[name] = (w, layout)
+    kernels: dict[str, str] = {}
+    for i in range(len(model.model.layers)):
+        prefix = f"model.layers.{i}."
+        for fused, members in FUSED_PROJECTIONS.items():
+            group = [prefix + m for m in members]
+            joined = _concat([stored[n] for n in group])
+            if joined is None:
+                continue
+            layer, kernel = build_linear(prefix + fused, *joined, device, dtype)
+            _set(model, prefix + fused, layer)
+            for n in group:
+                # The separate projections leave the tree; kernels are still reported by their names.
+                _set(model, n, nn.Identity())
+                kernels[n] = kernel
+                del stored[n]
+    for name, (w, layout) in stored.items():
+        layer, kernels[name] = build_linear(name, w, layout, device, dtype)
+        _set(model, name, layer)
     return kernels
 
 
+def _set(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, layer)
+
+
+def _concat(
+    parts: list[tuple[LinearWeights, ModuleQuant | None]],
+) -> tuple[LinearWeights, ModuleQuant | None] | None:
+    """The projections stacked along their outputs, or None when their layouts differ.
+
+    Every stored layout is per output row (int8 scales, int4 groups along the input), so
+    stacking rows is exact.
+    """
+    layouts = [layout for _, layout in parts]
+    first = layouts[0]
+    if first is None:
+        if any(layout is not None for layout in layouts):
+            return None
+    else:
+        same = [(x.scheme, x.group_size, x.in_features, x.in_padded) for x in layouts if x is not None]
+        if len(same) != len(layouts) or len(set(same)) != 1:
+            return None
+    ws = [w for w, _ in parts]
+    if len({w.weight.dtype for w in ws}) != 1:
+        return None
+    biases = [w.bias for w in ws]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [b if b is not None else torch.zeros(w.weight.shape[0]) for b, w in zip(biases, ws, strict=True)]
+        )
+    scale = torch.cat([w.scale for w in ws]) if ws[0].scale is not None else None
+    zero = torch.cat([w.zero for w in ws]) if ws[0].zero is not None else None
+    joined = LinearWeights(torch.cat([w.weight for w in ws]), bias, scale, zero)
+    if first is None:
+        return joined, None
+    out = sum(x.out_features for x in layouts)
+    return joined, ModuleQuant(first.scheme, first.group_size, first.in_features, first.in_padded, out)
+
+
 def _fill_plain(
-    model: Transformer, weights: WeightFiles, device: torch.device, dtype: torch.dtype, used: set[str]
+    model: Transformer,
+    weights: WeightFiles | MemoryWeights,
+    device: torch.device,
+    dtype: torch.dtype,
+    used: set[str],
 ) -> None:
     # Embedding and norms: what is left on the meta device after the linears (but a tied head).
     for name, param in list(model.named_parameters()):
@@ -225,7 +339,7 @@ def _fill_plain(
         used.add(name)
 
 
-def _check_all_used(directory: Path, weights: WeightFiles, used: set[str]) -> None:
+def _check_all_used(directory: Path, weights: WeightFiles | MemoryWeights, used: set[str]) -> None:
     unused = sorted(n for n in weights.names() - used if not n.endswith(_IGNORED_SUFFIXES))
     if unused:
         raise FormatError(

@@ -25,6 +25,7 @@ from deployer.errors import FormatError
 KERNEL_LINEAR = "linear"
 KERNEL_DEQUANT = "dequant+linear"
 KERNEL_INT8 = "aten._weight_int8pack_mm"
+KERNEL_INT8_TRITON = "triton int8 weight-only"
 KERNEL_INT4_CPU = "aten._weight_int4pack_mm_for_cpu"
 KERNEL_INT4_CUDA = "aten._weight_int4pack_mm"
 
@@ -51,7 +52,7 @@ class LinearWeights:
 def dequantize(name: str, w: LinearWeights, layout: ModuleQuant | None) -> torch.Tensor:
     """The fp32 weight [out, in] that the stored tensors stand for (artifact-format.md)."""
     if layout is not None:
-        _check_shapes(name, w, layout)
+        check_shapes(name, w, layout)
     if layout is None or layout.scheme not in INTEGER_SCHEMES:
         return w.weight.float()
     if layout.scheme == "int8":
@@ -66,7 +67,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
 
 
-def _check_shapes(name: str, w: LinearWeights, layout: ModuleQuant) -> None:
+def check_shapes(name: str, w: LinearWeights, layout: ModuleQuant) -> None:
+    """Raise FormatError unless the stored tensors have the shapes and dtypes `layout` implies."""
     out, n_in = layout.out_features, layout.in_features
     if layout.scheme == "int8":
         expected = {"weight": ((out, n_in), torch.int8), "weight_scale": ((out,), None)}
@@ -143,6 +145,22 @@ class Int8PackLinear(_PackedLinear):
         return torch.ops.aten._weight_int8pack_mm(x2d, self.qweight, self.scales)
 
 
+class Int8TritonLinear(_PackedLinear):
+    """int8 weights [out, in] used as stored; the Triton kernel of `triton_int8` (CUDA)."""
+
+    def __init__(self, w: LinearWeights, act_dtype: torch.dtype, device: torch.device):
+        from deployer.agent.engines.triton_int8 import int8_weight_matmul
+
+        n_in = w.weight.shape[1]
+        super().__init__(n_in, n_in, act_dtype, _maybe(w.bias, device, act_dtype))
+        self._matmul = int8_weight_matmul
+        self.register_buffer("qweight", w.weight.to(device).contiguous())
+        self.register_buffer("scales", w.scale.to(device, act_dtype))
+
+    def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x2d, self.qweight, self.scales)
+
+
 class Int4PackLinear(_PackedLinear):
     """int4 weights packed for `_weight_int4pack_mm_for_cpu` (CPU) or `_weight_int4pack_mm` (CUDA).
 
@@ -206,7 +224,7 @@ def build_linear(
     """
     if layout is None or layout.scheme not in INTEGER_SCHEMES:
         if layout is not None:
-            _check_shapes(name, w, layout)
+            check_shapes(name, w, layout)
         weight = w.weight.to(device, dtype)
         return FloatLinear(weight, _maybe(w.bias, device, dtype)), KERNEL_LINEAR
     reference = dequantize(name, w, layout)
@@ -226,7 +244,11 @@ def _candidates(
     if layout.scheme == "int8":
         if device.type == "cpu" and layout.in_features % INT8_CPU_K_MULTIPLE:
             return []
-        return [(KERNEL_INT8, lambda: Int8PackLinear(w, act, device))]
+        aten = (KERNEL_INT8, lambda: Int8PackLinear(w, act, device))
+        if device.type == "cuda" and act in (torch.bfloat16, torch.float16):
+            # On CUDA the aten kernel is slower than bf16 (FACTS.md); the Triton one is tried first.
+            return [(KERNEL_INT8_TRITON, lambda: Int8TritonLinear(w, act, device)), aten]
+        return [aten]
     kernel = KERNEL_INT4_CUDA if device.type == "cuda" else KERNEL_INT4_CPU
     return [(kernel, lambda: Int4PackLinear(w, layout, act, device))]
 
@@ -234,8 +256,8 @@ def _candidates(
 def _try(make: Callable[[], nn.Module]) -> nn.Module | None:
     try:
         return make()
-    except (RuntimeError, NotImplementedError):
-        # The kernel does not exist on this build/device or refuses this shape.
+    except (RuntimeError, NotImplementedError, ImportError):
+        # The kernel does not exist on this build/device (no triton), or refuses this shape.
         return None
 
 
@@ -243,10 +265,10 @@ def _try(make: Callable[[], nn.Module]) -> nn.Module | None:
 def _agrees(layer: nn.Module, reference: torch.Tensor, device: torch.device, dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, reference.shape[1], generator=gen)  # odd M: some kernels tile by 2
-    expected = x @ reference.t()
+    expected = (x.to(reference.device) @ reference.t()).cpu()
     try:
         got = layer(x.to(device, dtype)).float().cpu()
-    except (RuntimeError, NotImplementedError):
+    except Exception:  # a kernel that fails to build or run here (triton raises its own kinds)
         return False
     if layer.bias is not None:
         got = got - layer.bias.float().cpu()

@@ -1,0 +1,314 @@
+"""GPU rows of bench/engine.py: our torch engine against the gpt-fast-style reference loop
+(bench/gptfast_ref.py) on random weights in two shapes, in one process per row.
+
+Weights are seeded per tensor (normal, std 0.02; norms near 1) and built straight on the GPU;
+int8 and int4 (group 32) go through the builder's own quantizers, so the engine loads exactly
+what an artifact would hold. Each row measures, best of `repeats`:
+
+* first token: prefill of a 32-token prompt plus the first sampled token on the host;
+* batch 1: decode tokens/s over `NEW_TOKENS` greedy tokens, step by step through `step([0])`;
+* batch 16: aggregate tokens/s of 16 slots stepped together;
+* peak GPU memory while serving, against the weights plus the KV cache;
+* exactness: how many of the greedy tokens equal the eager engine's (no compile, no graphs),
+  and whether slot 0 of the batch of 16 gave the same tokens as alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from deployer.agent.engines.torch_engine import TorchEngine
+
+NEW_TOKENS = 128
+PROMPT_TOKENS = 32
+BATCH = 16
+MAX_LEN = 256
+BANDWIDTH = 4.28e12  # bytes/s, device-to-device copy measured on the H200 (FACTS.md)
+
+SHAPES = {
+    "SmolLM2-135M": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+    },
+    "Qwen2.5-1.5B": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "eos_token_id": 151645,
+    },
+}
+# A smoke test of this file on a CPU: --device cpu --shapes tiny.
+SHAPES["tiny"] = SHAPES["SmolLM2-135M"] | {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+}
+SHAPES["tiny"] |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+SCHEMES = ("bf16", "int4-g32", "int8")
+
+
+def random_checkpoint(config: dict, scheme: str, device: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Seeded random tensors under HF names, quantized as `scheme`; and the module layouts."""
+    from deployer.build.quantize import quantize_int4, quantize_int8
+    from deployer.core.quant_layout import ModuleQuant
+
+    c = config
+    dim, inter, hd = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+    )
+    q_out, kv_out = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    linears = {
+        "self_attn.q_proj": (q_out, dim),
+        "self_attn.k_proj": (kv_out, dim),
+        "self_attn.v_proj": (kv_out, dim),
+    }
+    linears |= {"self_attn.o_proj": (dim, q_out), "mlp.gate_proj": (inter, dim), "mlp.up_proj": (inter, dim)}
+    linears["mlp.down_proj"] = (dim, inter)
+    tensors, modules, seed = {}, {}, 0
+
+    def randn(*shape: int) -> torch.Tensor:
+        nonlocal seed
+        seed += 1
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return torch.randn(shape, generator=gen, device=device) * 0.02
+
+    tensors["model.embed_tokens.weight"] = randn(c["vocab_size"], dim).bfloat16()
+    tensors["model.norm.weight"] = (1 + randn(dim)).bfloat16()
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = (1 + randn(dim)).bfloat16()
+        tensors[p + "post_attention_layernorm.weight"] = (1 + randn(dim)).bfloat16()
+        for name, (n_out, n_in) in linears.items():
+            w = randn(n_out, n_in)
+            if c["model_type"] == "qwen2" and name in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+            ):
+                tensors[p + name + ".bias"] = randn(n_out).bfloat16()
+            if scheme == "bf16":
+                tensors[p + name + ".weight"] = w.bfloat16()
+            elif scheme == "int8":
+                q, scale = quantize_int8(w)
+                tensors[p + name + ".weight"], tensors[p + name + ".weight_scale"] = q, scale
+                modules[p + name] = ModuleQuant("int8", None, n_in, n_in, n_out)
+            else:
+                packed, scale, zero = quantize_int4(w, 32)
+                tensors[p + name + ".weight"] = packed
+                tensors[p + name + ".weight_scale"], tensors[p + name + ".weight_zero"] = scale, zero
+                modules[p + name] = ModuleQuant("int4", 32, n_in, scale.shape[1] * 32, n_out)
+    return tensors, modules
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[..., object], *args: object) -> float:
+    _sync()
+    start = time.perf_counter()
+    fn(*args)
+    _sync()
+    return time.perf_counter() - start
+
+
+def _steps(engine: TorchEngine, slots: list[int], n: int) -> None:
+    for _ in range(n):
+        engine.step(slots)
+
+
+def _greedy_run(
+    engine: object, slots: list[int], prompts: list[list[int]], params: object
+) -> list[list[int]]:
+    out = [[engine.prefill(s, p, params)] for s, p in zip(slots, prompts, strict=True)]
+    for _ in range(NEW_TOKENS - 1):
+        for seq, token in zip(out, engine.step(slots), strict=True):
+            seq.append(token)
+    return out
+
+
+def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> dict:
+    """One row: build the random model, run the eager engine, ours, then the reference."""
+    from bench import gptfast_ref
+    from deployer.agent.engines.base import SamplingParams
+    from deployer.agent.engines.loader import ArtifactFacts, MemoryWeights, build_model
+
+    config = SHAPES[shape]
+    cuda = device == "cuda"
+    tensors, modules = random_checkpoint(config, scheme, device)
+    facts = ArtifactFacts(shape, "random", scheme, modules)
+    where = Path(shape)
+    weights = MemoryWeights(tensors)
+    loaded = build_model(
+        config, weights, facts, where, device=device, dtype="bf16", max_context=MAX_LEN, slots=BATCH
+    )
+    del tensors, weights
+    _sync()
+    caches = [layer.self_attn.kv_cache for layer in loaded.model.model.layers]
+    kv_bytes = sum(c.k.nbytes + c.v.nbytes for c in caches)
+    state = {t.data_ptr(): t.nbytes for t in (*loaded.model.parameters(), *loaded.model.buffers())}
+    weight_bytes = sum(state.values()) - kv_bytes
+    if cuda:
+        torch.cuda.empty_cache()
+        weight_bytes = torch.cuda.memory_allocated() - kv_bytes
+    # Bytes a decode step must read: every weight but the embedding (one row of it is read).
+    embed = loaded.model.model.embed_tokens.weight
+    tied = (
+        loaded.model.lm_head.weight.data_ptr() == embed.data_ptr()
+        if hasattr(loaded.model.lm_head, "weight")
+        else False
+    )
+    step_bytes = weight_bytes - (0 if tied else embed.nbytes)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+    gen = torch.Generator().manual_seed(1234)
+    vocab = config["vocab_size"]
+    prompts = [torch.randint(3, vocab, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(BATCH)]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+
+    eager = TorchEngine(device=device, slots=BATCH, max_context=MAX_LEN, compile="off", cuda_graphs=False)
+    eager.attach(loaded)
+    eager_tokens = _greedy_run(eager, [0], prompts[:1], greedy)[0]
+    del eager
+
+    started = time.perf_counter()
+    engine = TorchEngine(device=device, slots=BATCH, max_context=MAX_LEN, graph_buckets=(1, BATCH))
+    engine.attach(loaded)
+    prepare_s = time.perf_counter() - started
+    info = engine.describe()
+    first_ms, tps1, tps16 = float("inf"), 0.0, 0.0
+    everyone = list(range(BATCH))
+    for r in range(repeats):
+        # A new first token each time, so prefix reuse does not shorten the prefill.
+        fresh = [r + 3, *prompts[0][1:]]
+        first_ms = min(first_ms, 1000 * _timed(engine.prefill, 0, fresh, greedy))
+        engine.prefill(0, prompts[0], greedy)
+        tps1 = max(tps1, (NEW_TOKENS - 1) / _timed(_steps, engine, [0], NEW_TOKENS - 1))
+    ours = _greedy_run(engine, [0], prompts[:1], greedy)[0]
+    for _ in range(repeats):
+        for s in everyone:
+            engine.prefill(s, prompts[s], greedy)
+        tps16 = max(tps16, BATCH * (NEW_TOKENS - 1) / _timed(_steps, engine, everyone, NEW_TOKENS - 1))
+    batched = _greedy_run(engine, list(range(BATCH)), prompts, greedy)[0]
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    del engine
+
+    ref1 = gptfast_ref.run(loaded, torch.tensor(prompts[:1], device=device), NEW_TOKENS, MAX_LEN, repeats)
+    ref16 = gptfast_ref.run(loaded, torch.tensor(prompts, device=device), NEW_TOKENS, MAX_LEN, repeats)
+    return {
+        "shape": shape,
+        "scheme": scheme,
+        "kernel": info.kernel,
+        "decode": info.extra["decode"],
+        "compile": info.extra["compile"],
+        "prepare_s": prepare_s,
+        "first_ms": first_ms,
+        "tps1": tps1,
+        "tps16": tps16,
+        "ref_first_ms": ref1.first_token_ms,
+        "ref_tps1": ref1.decode_tps,
+        "ref_tps16": ref16.decode_tps,
+        "limit_tps": BANDWIDTH / step_bytes,
+        "peak_mb": peak / 2**20,
+        "budget_mb": (weight_bytes + kv_bytes) * 1.2 / 2**20,
+        "weights_mb": weight_bytes / 2**20,
+        "kv_mb": kv_bytes / 2**20,
+        "same_as_eager": _agreeing(ours, eager_tokens),
+        "same_as_ref": _agreeing(ours, ref1.tokens),
+        "batched_same": _agreeing(batched, ours),
+    }
+
+
+def _agreeing(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy runs share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def gpu_table(rows: list[dict], errors: list[tuple[str, str]]) -> object:
+    """The rich table of the GPU rows."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"H200, random weights, greedy, {PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, "
+        f"cache {MAX_LEN}; ref = gpt-fast-style loop (bench/gptfast_ref.py), same kernels, same run"
+    )
+    columns = (
+        "shape",
+        "weights",
+        "kernel",
+        "b1 tok/s",
+        "ref b1",
+        "x ref",
+        "b16 tok/s",
+        "ref b16",
+        "b16/b1",
+        "1st tok ms",
+        "ref 1st",
+        "limit tok/s",
+        "peak MB",
+        "W+KV+20%",
+        "=eager",
+        "=ref",
+        "batch=alone",
+        "prepare s",
+    )
+    for c in columns:
+        table.add_column(c, justify="left" if c in ("shape", "weights", "kernel") else "right")
+    for r in rows:
+        table.add_row(
+            r["shape"],
+            r["scheme"],
+            r["kernel"].removeprefix("aten."),
+            f"{r['tps1']:.0f}",
+            f"{r['ref_tps1']:.0f}",
+            f"{r['tps1'] / r['ref_tps1']:.2f}",
+            f"{r['tps16']:.0f}",
+            f"{r['ref_tps16']:.0f}",
+            f"{r['tps16'] / r['tps1']:.1f}",
+            f"{r['first_ms']:.1f}",
+            f"{r['ref_first_ms']:.1f}",
+            f"{r['limit_tps']:.0f}",
+            f"{r['peak_mb']:.0f}",
+            f"{r['budget_mb']:.0f}",
+            f"{r['same_as_eager']}/{NEW_TOKENS}",
+            f"{r['same_as_ref']}/{NEW_TOKENS}",
+            f"{r['batched_same']}/{NEW_TOKENS}",
+            f"{r['prepare_s']:.0f}",
+        )
+    for label, error in errors:
+        table.add_row(*label.split(" ", 1), f"[red]{error[:120]}[/red]")
+    return table

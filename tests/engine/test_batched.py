@@ -1,0 +1,132 @@
+"""The batched step interface of the torch engine on CPU: exactness against transformers,
+batched equal to alone, prefix reuse, per-request seeds, bad input, fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deployer.agent.engines.base import SamplingParams
+from deployer.agent.engines.llama import DecoderLayer
+from deployer.errors import AgentError
+
+GREEDY = SamplingParams(max_tokens=128, temperature=0)
+PROMPTS = ("The capital of", "Edge devices run small language models.", "hello world 123")
+
+
+def run(engine, slot, prompt, params, n):
+    tokens = [engine.prefill(slot, prompt, params)]
+    tokens += [engine.step([slot])[0] for _ in range(n - 1)]
+    engine.release(slot)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def engine(varied_model_dir, engine_on):
+    return engine_on(varied_model_dir, slots=4)
+
+
+def test_greedy_128_tokens_equal_transformers_generate(varied_model_dir, engine):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(varied_model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # run all 128 tokens, as our step does
+    model.generation_config.pad_token_id = 0
+    prompt = engine.encode(PROMPTS[0])
+    ours = run(engine, 0, prompt, GREEDY, 128)
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=128, do_sample=False)[0, len(prompt) :]
+    assert len(set(ours)) > 20  # the comparison covers many different tokens
+    assert ours == want.tolist()
+
+
+def test_batched_steps_equal_each_sequence_alone(engine):
+    prompts = [engine.encode(p) for p in PROMPTS]
+    params = [GREEDY, SamplingParams(temperature=0.9, top_p=0.9, seed=7), SamplingParams(top_k=5, seed=3)]
+    alone = [run(engine, 0, p, s, 24) for p, s in zip(prompts, params, strict=True)]
+    # slot 3 and slot 1 start together; slot 0 joins after 5 steps; slot 1 leaves after 12
+    got = {3: [engine.prefill(3, prompts[0], params[0])], 1: [engine.prefill(1, prompts[1], params[1])]}
+    for i in range(1, 24 + 5):
+        if i == 5:
+            got[0] = [engine.prefill(0, prompts[2], params[2])]
+        running = [s for s in (3, 1, 0) if s in got and len(got[s]) < (12 if s == 1 else 24)]
+        if not running:
+            break
+        for s, token in zip(running, engine.step(running), strict=True):
+            got[s].append(token)
+    for s in (3, 1, 0):
+        engine.release(s)
+    assert got[3] == alone[0]
+    assert got[1] == alone[1][:12]
+    assert got[0] == alone[2]
+
+
+def test_prefix_reuse_skips_the_shared_part_and_changes_nothing(varied_model_dir, engine_on):
+    engine = engine_on(varied_model_dir, slots=2)
+    fresh = engine_on(varied_model_dir, slots=2)
+    system = engine.encode("You are a helpful assistant. The capital of France is Paris.")
+    first_turn = run(engine, 1, system, GREEDY, 10)
+    second = system + first_turn + engine.encode(" And of Italy?")
+    before = int(engine.describe().extra["prefix_tokens_reused"])
+    reused = run(engine, 1, second, GREEDY, 20)
+    # the slot held the system prompt and 9 of the 10 tokens (the last was never run)
+    assert int(engine.describe().extra["prefix_tokens_reused"]) - before == len(system) + 9
+    assert reused == run(fresh, 0, second, GREEDY, 20)
+    # a prompt that diverges early reuses only the common part and still answers the same
+    other = system[:3] + engine.encode(" something else entirely")
+    assert run(engine, 1, other, GREEDY, 12) == run(fresh, 1, other, GREEDY, 12)
+
+
+def test_same_seed_same_tokens_different_seed_different(engine):
+    prompt = engine.encode(PROMPTS[1])
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
+    a = [engine.prefill(0, prompt, params), engine.prefill(1, prompt, params)]
+    for _ in range(15):
+        a += engine.step([0, 1])
+    assert a[0::2] == a[1::2]  # two requests with one seed, stepped together
+    assert a[0::2] == run(engine, 2, prompt, params, 16)
+    assert a[0::2] != run(engine, 2, prompt, SamplingParams(temperature=1.0, top_p=0.95, seed=43), 16)
+    engine.release(0)
+    engine.release(1)
+
+
+def test_bad_slots_and_prompts_are_refused(varied_model_dir, engine_on):
+    engine = engine_on(varied_model_dir, slots=2, max_context=32)
+    prompt = engine.encode(PROMPTS[0])
+    with pytest.raises(AgentError, match=r"slot 2 does not exist: this engine has slots 0\.\.1"):
+        engine.prefill(2, prompt, GREEDY)
+    with pytest.raises(AgentError, match="slot -1 does not exist"):
+        engine.step([-1])
+    with pytest.raises(AgentError, match="slot 1 is not running"):
+        engine.step([1])
+    with pytest.raises(AgentError, match="context holds 32"):
+        engine.prefill(0, list(range(3, 40)), GREEDY)
+    with pytest.raises(AgentError, match="top_k"):
+        engine.prefill(0, prompt, SamplingParams(top_k=-1))
+    engine.prefill(0, prompt, GREEDY)
+    with pytest.raises(AgentError, match="distinct slots"):
+        engine.step([0, 0])
+    # a sequence may run until its cache is full; one step more is refused, not a crash
+    for _ in range(32 - len(prompt)):
+        engine.step([0])
+    with pytest.raises(AgentError, match="filled its 32 cache positions"):
+        engine.step([0])
+    engine.release(0)
+    assert engine.max_slots == 2
+
+
+def test_compile_that_fails_falls_back_to_eager_with_the_reason(varied_model_dir, engine_on, monkeypatch):
+    # A fake: torch.compile works here, so stand in for a device without a C++ compiler.
+    def broken_compile(self, *args, **kwargs):
+        def fail(*a, **k):
+            raise RuntimeError("no C++ compiler found")
+
+        self._compiled_call_impl = fail
+
+    monkeypatch.setattr(DecoderLayer, "compile", broken_compile)
+    engine = engine_on(varied_model_dir, compile="on")
+    extra = engine.describe().extra
+    assert extra["compile"] == "off (compile failed: RuntimeError: no C++ compiler found)"
+    assert extra["decode"] == "eager (CUDA graphs are for CUDA devices)"
+    prompt = engine.encode(PROMPTS[0])
+    assert run(engine, 0, prompt, GREEDY, 8) == run(engine_on(varied_model_dir), 0, prompt, GREEDY, 8)
