@@ -353,7 +353,7 @@ class Updater:
             state = self.store.read_state()
             current, previous = self.store.current_version(), self.store.previous_version()
             record = state.versions.get(previous) if previous else None
-            if record is None or previous == current or record.failed:
+            if previous is None or record is None or previous == current or record.failed:
                 raise AgentError(
                     f"version {current} failed and there is no healthy previous version to return to",
                     hint="install a fixed release, or pick one with `sits-agent rollback --to V`",

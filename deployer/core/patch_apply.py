@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import numpy as np
 import zstandard
@@ -566,8 +566,9 @@ class _StreamReader:
         self._region = region
         self._bz2 = bz2.BZ2Decompressor() if stream.coder is Coder.BZ2 else None
         self._zstd = (
+            # zstandard only calls read() on its source, which _Region provides.
             zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
-                region, read_across_frames=True
+                cast(BinaryIO, region), read_across_frames=True
             )
             if stream.coder is Coder.ZSTD
             else None
