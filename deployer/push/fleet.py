@@ -13,6 +13,7 @@ re-reads the facts and refuses when their digest differs from the one the plan w
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -46,6 +47,9 @@ __all__ = [
 ]
 
 PLAN_FILE_KIND = "sits-plan"
+# Warnings without a command's return value to carry them; with no handler configured, Python's
+# last-resort handler prints them to stderr.
+_log = logging.getLogger("sits.deployer")
 Connect = Callable[[Config, Device, DeviceSite], Transport]
 
 
@@ -228,14 +232,21 @@ def prepare_releases(fleet: FleetSession, fp: FleetPlan) -> dict[str, ReleaseFil
 
 def _check_signed_enough(config: Config, manifest: Path) -> None:
     """Refuse before anything is sent when the devices would refuse the release's signatures, e.g.
-    a k-of-n threshold that the one signing key of `apply` cannot meet alone."""
+    a k-of-n threshold that the one signing key of `apply` cannot meet alone. The trusted keys are
+    loaded as a device loads them: a file that is no usable key is skipped with a warning naming
+    it, so this check refuses exactly what the devices (which receive these files) would refuse."""
     from deployer.core.release import read_envelope
-    from deployer.core.verify import check_signatures, load_trusted_keys
+    from deployer.core.verify import check_signatures, load_usable_keys
 
     signing = config.signing
     if signing is None or not signing.trusted_keys:
         return
-    trusted = load_trusted_keys([config.resolve(k) for k in signing.trusted_keys], signing.threshold)
+    trusted = load_usable_keys(
+        [config.resolve(k) for k in signing.trusted_keys],
+        signing.threshold,
+        where="signing.trusted_keys",
+        warn=_log.warning,
+    )
     try:
         check_signatures(read_envelope(manifest), trusted)
     except SignatureError as exc:
