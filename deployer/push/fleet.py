@@ -21,6 +21,7 @@ from typing import Any
 
 from deployer.config.models import Config, Device
 from deployer.core.hashing import sha256_bytes
+from deployer.core.redact import redacted_json
 from deployer.errors import ConfigError, SignatureError, SitsError
 from deployer.push.bootstrap import build_wheel, desired_files
 from deployer.push.executor import Executor, OnPhase, ResultStatus, RolloutReport
@@ -340,7 +341,8 @@ def _mark_skipped(report: RolloutReport, skipped: Sequence[str]) -> RolloutRepor
 def write_plan_file(
     fp: FleetPlan, config_path: Path, out: Path, selector: Mapping[str, str], names: Sequence[str]
 ) -> None:
-    """Write a plan file that `apply plan.json` can execute."""
+    """Write a plan file that `apply plan.json` can execute, secrets redacted (check_plan_file
+    compares a fresh plan redacted the same way)."""
     data = {
         "kind": PLAN_FILE_KIND,
         "config": str(config_path.resolve()),
@@ -348,7 +350,7 @@ def write_plan_file(
         "devices": list(names),
         "plan": fp.plan.to_dict(),
     }
-    out.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    out.write_text(redacted_json(data, indent=2, sort_keys=True) + "\n")
 
 
 def load_plan_file(path: Path) -> dict[str, Any]:
@@ -370,7 +372,7 @@ def check_plan_file(saved: Mapping[str, Any], fresh: FleetPlan) -> None:
             "the fleet changed since this plan was made (facts digest or target differ); not applying it",
             hint="run `sits-deployer plan -o plan.json` again, review it, then apply the new file",
         )
-    if json.loads(json.dumps(fresh.plan.to_dict())) != plan:
+    if json.loads(redacted_json(fresh.plan.to_dict())) != plan:
         raise SitsError(
             "deploy.yaml changed since this plan was made (the steps differ); not applying it",
             hint="run `sits-deployer plan -o plan.json` again, review it, then apply the new file",
