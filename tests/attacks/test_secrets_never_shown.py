@@ -53,7 +53,7 @@ def _far(known_hosts_var: str) -> dict:
 
 
 @pytest.fixture
-def project(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Project:
+def seeded(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Project:
     base = tmp_path / "project"
     project = make_project(base, {"1.0.0": tiny_model_dir}, local_devices(base, ("edge-a",), sys.executable))
     generate_key(base / "keys/secret.key", base / "keys/secret.pub", passphrase=Secret(PASSPHRASE))
@@ -97,7 +97,8 @@ def _files(*roots: Path) -> dict[str, str]:
     return texts
 
 
-def test_no_marker_secret_reaches_any_output(project: Project):
+def test_no_marker_secret_reaches_any_output(seeded: Project):
+    project = seeded
     config, bad = str(project.config_path), str(project.dir / "deploy-bad.yaml")
     plan_file = project.dir / "plan.json"
     outputs: list[str] = []
