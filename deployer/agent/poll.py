@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import requests
 import yaml
@@ -45,6 +46,7 @@ from deployer.agent.store import DeviceStore, utc_now
 from deployer.agent.updater import InstallResult, Updater
 from deployer.core.fsutil import atomic_write
 from deployer.core.patch_format import check_relative_path
+from deployer.core.redact import redact, register
 from deployer.core.release import read_envelope
 from deployer.errors import (
     AgentError,
@@ -117,7 +119,7 @@ def load_pull_settings(root: Path) -> PullSettings:
     path = root / SETTINGS_FILE
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        return PullSettings.model_validate(data)
+        settings = PullSettings.model_validate(data)
     except FileNotFoundError as exc:
         raise ConfigError(
             f"{path}: missing, so this device has no channel to poll",
@@ -129,6 +131,10 @@ def load_pull_settings(root: Path) -> PullSettings:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "<root>"
         raise ConfigError(f"{path}: {where}: {first['msg']}", hint="see docs/pull-mode.md") from exc
+    # A channel behind basic auth has its password in the URL, which every poll error names.
+    if password := urlsplit(settings.url).password:
+        register(password, "<password of the channel url>")
+    return settings
 
 
 class Channel:
@@ -322,7 +328,7 @@ class Poller:
                 last_attempt=utc_now(),
                 last_success=state.last_success,
                 result="failed",
-                error=str(exc),
+                error=redact(str(exc)),
                 failures=failures,
                 retry_after=retry.isoformat(timespec="seconds"),
             )

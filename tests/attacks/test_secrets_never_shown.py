@@ -6,7 +6,8 @@ paramiko's error text names the host. The signing key is encrypted with a marker
 CLI's stdout and stderr of validate, build, plan (text, -v, JSON, plan file), apply, status and a
 wrong-passphrase sign, the plan file, everything under .sits/ (audit log, releases, ledger) and the
 device's agent log must hold none of the markers; the labels that replace them must show up, so
-the values did reach the outputs and were redacted.
+the values did reach the outputs and were redacted. On the device side, a channel password in
+pull.yaml's url stays out of `sits-agent`'s output and the poll state.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from deployer.agent.cli import cli as agent_cli
 from deployer.cli.main import cli
 from deployer.core.redact import (
     RedactingFilter,
@@ -32,6 +34,8 @@ from deployer.core.redact import (
 )
 from deployer.release.sign import generate_key
 from tests.fleet.conftest import Project, local_devices, make_project
+from tests.pull.project import Project as PullProject
+from tests.pull.project import make_device
 
 HOST = "127.77.77.77"  # a loopback address nothing listens on: the device is down
 LABEL = "lbl-MARKER-3141-secret"
@@ -184,3 +188,28 @@ def test_a_scope_forgets_its_secrets_and_a_nested_command_keeps_them_for_the_out
             Secret("inner-MARKER", "<inner>")
         print("Traceback: ValueError: inner-MARKER")
     assert capsys.readouterr().out == "Traceback: ValueError: <inner>\n"
+
+
+CHANNEL_PASSWORD = "chpw-MARKER-4242"
+
+
+def test_a_channel_password_never_reaches_the_agents_output(tmp_path: Path, project: PullProject):
+    """A channel behind basic auth: the password in pull.yaml's url, a server that is down (every
+    poll error names the url)."""
+    project.publish(tmp_path / "published", "1.0.0")
+    url = f"http://sits:{CHANNEL_PASSWORD}@127.0.0.1:9/stable/"
+    device = make_device(tmp_path / "device", project, url)
+    root = str(device.store.root)
+    (device.store.root / "etc/sits/pull.yaml").write_text(yaml.safe_dump({"url": url, "timeout_s": 1}))
+    shown = []
+    for args in (
+        ["poll", "--root", root],
+        ["poll", "--root", root, "--force", "--output", "json"],
+        ["status", "--root", root],
+        ["status", "--root", root, "--output", "json"],
+    ):
+        result = CliRunner().invoke(agent_cli, args, catch_exceptions=False)
+        shown += [result.stdout, result.stderr]
+    text = "\n".join(shown) + device.state_path.read_text()
+    assert "<password of the channel url>" in text  # the url was named, its password redacted
+    assert CHANNEL_PASSWORD not in text, _context(text, CHANNEL_PASSWORD)
