@@ -22,7 +22,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from deployer.agent.store import DeviceStore  # noqa: E402 - after the path set-up above
+from deployer.demo.ports import PortReservation  # noqa: E402
 
 SERVE = (
     "import sys; from pathlib import Path; from deployer.agent.settings import load_settings; "
@@ -71,9 +71,9 @@ class Swap:
 def main() -> None:
     args = _parse_args()
     source = _source_dir(args)
-    with tempfile.TemporaryDirectory(prefix="sits-swap-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="sits-swap-bench-") as tmp, PortReservation() as reserved:
         store = _device(Path(tmp), source)
-        port = _free_port()
+        port = reserved.port
         config = _write_config(Path(tmp), store, port, args)
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         server = subprocess.Popen(
@@ -254,12 +254,6 @@ def _pct(group: list[Sample], q: float) -> float:
     values = sorted((s.end - s.start) * 1000 for s in group)
     rank = max(0, min(len(values) - 1, round(q / 100 * len(values) + 0.5) - 1))
     return values[rank]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_ready(port: int, server: subprocess.Popen) -> None:

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from deployer.build.demo_model import make_tiny_checkpoint, prepare_smollm2
+from deployer.core.redact import redaction_scope
 
 # The device lab (session-scoped, one per machine): loaded once here for every test folder.
 pytest_plugins = ["tests.lab.fixtures"]
+
+
+@pytest.fixture(autouse=True)
+def _own_secrets() -> Iterator[None]:
+    """Secrets a test registers (a config's ${VAR} values) are forgotten after it, so another
+    test's output is never redacted with them."""
+    with redaction_scope():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from deployer.agent.settings import DEFAULT_SETTINGS_PATH, AgentSettings, load_s
 from deployer.agent.store import DeviceStore
 from deployer.agent.updater import Reloader, ReloadOutcome, Updater
 from deployer.core.clikit import emit_json, examples, output_option, plain_error, verbosity
+from deployer.core.redact import redacting_stdio
 from deployer.errors import AgentError, SitsError
 
 __all__ = ["cli", "http_reloader", "main"]
@@ -32,14 +33,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _AgentGroup(click.Group):
-    """Turns our errors into a message on stderr and exit code 1, never a traceback."""
+    """Turns our errors into a message on stderr and exit code 1, never a traceback; everything a
+    command prints passes the redaction of the secrets it learns (deployer/core/redact.py)."""
 
     def invoke(self, ctx: click.Context) -> object:
-        try:
-            return super().invoke(ctx)
-        except SitsError as exc:
-            plain_error(exc)
-            ctx.exit(exc.exit_code)
+        with redacting_stdio():
+            try:
+                return super().invoke(ctx)
+            except SitsError as exc:
+                plain_error(exc)
+                ctx.exit(exc.exit_code)
 
 
 @click.group(

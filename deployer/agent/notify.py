@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import ClassVar
 
+from deployer.core.redact import RedactingFilter
+
 __all__ = ["Notifier", "Watchdog", "configure_journal_logging", "lifecycle_event", "watchdog_interval_s"]
 
 _log = logging.getLogger("sits.agent")
@@ -135,6 +137,7 @@ def configure_journal_logging(level: int = logging.INFO) -> None:
     handler = logging.StreamHandler()
     # "<6>" etc. are sd-daemon priority prefixes: journald turns them into the PRIORITY field.
     handler.setFormatter(_PriorityFormatter("%(message)s"))
+    handler.addFilter(RedactingFilter())  # no Secret the agent holds reaches the journal
     _log.addHandler(handler)
     _log.setLevel(level)
     _log.propagate = False

@@ -8,8 +8,9 @@ One poll, step by step::
     compare      the channel's artifact (a signed hint on full/release.json) against state.json:
                  equal -> done (an unchanged channel costs the timestamp and a 404 for the next root)
     download     patch/<installed sha>/{release.json,delta.patch} when published, else the full
-                 release and artifact; resumable (HTTP Range), bounded by the signed lengths and a
-                 byte budget per poll, each file checked against its TUF hash before use
+                 release and artifact; resumable (HTTP Range), bounded by the signed lengths, a
+                 byte budget and a time budget per poll, each file checked against its TUF hash
+                 before use
     install      Updater.install: release signature, counter and base checked again, staged,
                  promoted, the running server reloaded (hot swap)
 
@@ -30,7 +31,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
+import requests
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tuf.api import exceptions as tuf_errors
@@ -43,6 +46,7 @@ from deployer.agent.store import DeviceStore, utc_now
 from deployer.agent.updater import InstallResult, Updater
 from deployer.core.fsutil import atomic_write
 from deployer.core.patch_format import check_relative_path
+from deployer.core.redact import redact, register
 from deployer.core.release import read_envelope
 from deployer.errors import (
     AgentError,
@@ -71,7 +75,14 @@ class PullSettings(BaseModel):
 
     url: str = Field(pattern=r"^https?://", description="the channel, e.g. https://cdn.example/sits/stable/")
     max_bytes_per_poll: int = Field(default=4 * 2**30, ge=64 * 1024)
-    timeout_s: float = Field(default=30.0, gt=0)
+    timeout_s: float = Field(default=30.0, gt=0, description="idle timeout of each connect and receive")
+    max_download_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="the time a poll may spend downloading; past it the poll stops (what arrived is "
+        "kept for the next poll), so a server that sends slowly or never finishes cannot hold it. "
+        "Below the poll unit's TimeoutStartSec (3600 s), which leaves time to install.",
+    )
     max_resumes: int = Field(default=5, ge=0, description="dropped connections tolerated per file")
     retry_base_s: float = Field(default=60.0, gt=0)
     retry_max_s: float = Field(default=6 * 3600.0, gt=0)
@@ -108,7 +119,7 @@ def load_pull_settings(root: Path) -> PullSettings:
     path = root / SETTINGS_FILE
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        return PullSettings.model_validate(data)
+        settings = PullSettings.model_validate(data)
     except FileNotFoundError as exc:
         raise ConfigError(
             f"{path}: missing, so this device has no channel to poll",
@@ -120,6 +131,10 @@ def load_pull_settings(root: Path) -> PullSettings:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "<root>"
         raise ConfigError(f"{path}: {where}: {first['msg']}", hint="see docs/pull-mode.md") from exc
+    # A channel behind basic auth has its password in the URL, which every poll error names.
+    if password := urlsplit(settings.url).password:
+        register(password, "<password of the channel url>")
+    return settings
 
 
 class Channel:
@@ -270,6 +285,7 @@ class Poller:
         fetcher = PullFetcher(
             timeout_s=self.settings.timeout_s,
             budget=self.settings.max_bytes_per_poll,
+            deadline_s=self.settings.max_download_s,
             max_resumes=self.settings.max_resumes,
         )
         try:
@@ -312,7 +328,7 @@ class Poller:
                 last_attempt=utc_now(),
                 last_success=state.last_success,
                 result="failed",
-                error=str(exc),
+                error=redact(str(exc)),
                 failures=failures,
                 retry_after=retry.isoformat(timespec="seconds"),
             )
@@ -360,8 +376,9 @@ def _map_tuf_error(where: str, exc: BaseException) -> SitsError | None:
             f"{where}: HTTP {exc.status_code} ({exc})",
             hint="403: the bucket or server denies reading; 404: not published there (check pull.yaml url)",
         )
-    if isinstance(exc, tuf_errors.DownloadError):
-        cause = exc.__cause__ or exc
+    # requests' errors are OSErrors too: a connection that broke mid-metadata is not a local problem.
+    if isinstance(exc, tuf_errors.DownloadError | requests.RequestException):
+        cause = exc.__cause__ if isinstance(exc, tuf_errors.DownloadError) and exc.__cause__ else exc
         return TransportError(
             f"{where}: cannot download: {type(cause).__name__}: {cause}",
             hint="the server is unreachable or the connection dropped; the next poll retries",

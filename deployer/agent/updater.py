@@ -58,7 +58,7 @@ from deployer.core.verify import (
     Installed,
     TrustedKeys,
     apply_release_patch,
-    load_trusted_keys,
+    load_usable_keys,
     verify_artifact_dir,
     verify_release,
 )
@@ -253,31 +253,16 @@ class Updater:
             raise
 
     def _trusted_keys(self) -> TrustedKeys:
-        """The device's trusted keys. A key file that does not parse is skipped with a warning
-        naming it: it can only narrow trust, never widen it, and refusing would let one stray
-        file stop every update. Raises KeyFileError when too few usable keys remain."""
+        """The device's trusted keys; a key file that does not parse is skipped with a warning in
+        the journal naming it (`load_usable_keys`). Raises KeyFileError when too few remain."""
         files = self.store.trusted_key_files()
         if not files:
             raise KeyFileError(
                 f"no trusted release keys in {self.store.keys_dir}",
                 hint="install the release public key(s) there as *.pub files",
             )
-        skipped: list[str] = []
-
-        def skip(exc: KeyFileError) -> None:
-            _log.warning("trusted key skipped: %s", exc.message)
-            skipped.append(exc.message)
-
         threshold = self.store.signature_threshold()
-        try:
-            return load_trusted_keys(files, threshold, on_bad=skip)
-        except KeyFileError as exc:
-            if not skipped:
-                raise
-            raise KeyFileError(
-                f"{exc.message}; unusable key files in {self.store.keys_dir}: {'; '.join(skipped)}",
-                hint="replace or remove the unusable .pub files (sits-deployer keygen writes them)",
-            ) from exc
+        return load_usable_keys(files, threshold, where=str(self.store.keys_dir), warn=_log.warning)
 
     def _stage(self, release: Release, version: str, patch: Path | None, artifact: Path | None) -> Path:
         staged = self.store.new_staging_dir(f"install-{version}")
@@ -353,7 +338,7 @@ class Updater:
             state = self.store.read_state()
             current, previous = self.store.current_version(), self.store.previous_version()
             record = state.versions.get(previous) if previous else None
-            if record is None or previous == current or record.failed:
+            if previous is None or record is None or previous == current or record.failed:
                 raise AgentError(
                     f"version {current} failed and there is no healthy previous version to return to",
                     hint="install a fixed release, or pick one with `sits-agent rollback --to V`",

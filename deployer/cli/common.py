@@ -6,20 +6,32 @@ Exit codes: 0 ok, 1 failure, 2 usage (click's own), and for `plan --detailed-exi
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
+from rich.text import Text
 
 from deployer.core.clikit import emit_json, examples, output_option, verbosity
+from deployer.core.redact import redact
 
 __all__ = ["console", "debug", "emit_json", "examples", "info", "output_option", "verbosity"]
 
 _stderr: Console | None = None
 
 
+class _RedactingConsole(Console):
+    """Redacts every string before rich lays it out: a table cell may wrap a secret over two
+    lines, past what redacting the output stream (LazyGroup.invoke) catches."""
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        return super().render_str(redact(text), **kwargs)
+
+
 def console() -> Console:
     """The console for human-readable messages (stderr)."""
     global _stderr
     if _stderr is None:
-        _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+        _stderr = _RedactingConsole(stderr=True, highlight=False, soft_wrap=True)
     return _stderr
 
 

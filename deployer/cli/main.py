@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import traceback
 
 import click
 
 from deployer import __version__
 from deployer.cli.common import console
+from deployer.core.redact import redact, redacting_stdio
 from deployer.errors import SitsError
 
 # name -> "module:function". Loaded on use, so `validate` never pays for importing torch.
@@ -49,14 +51,16 @@ class LazyGroup(click.Group):
         return getattr(importlib.import_module(module), attr)
 
     def invoke(self, ctx: click.Context) -> object:
-        try:
-            return super().invoke(ctx)
-        except SitsError as exc:
-            report_error(exc)
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            console().print("[red]error:[/red] interrupted")
-            sys.exit(130)
+        # Everything a command prints passes the redaction of the secrets it learns (core/redact.py).
+        with redacting_stdio():
+            try:
+                return super().invoke(ctx)
+            except SitsError as exc:
+                report_error(exc)
+                sys.exit(exc.exit_code)
+            except KeyboardInterrupt:
+                console().print("[red]error:[/red] interrupted")
+                sys.exit(130)
 
 
 def _available(name: str) -> bool:
@@ -69,9 +73,9 @@ def report_error(exc: SitsError) -> None:
     from rich.markup import escape
 
     # Escaped: brackets in messages are text (`pip install 'sits-deployer[llamacpp]'`), not markup.
-    console().print(f"[red]error:[/red] {escape(exc.message)}", markup=True)
+    console().print(f"[red]error:[/red] {escape(redact(exc.message))}", markup=True)
     if exc.hint:
-        console().print(f"[yellow]hint:[/yellow] {escape(exc.hint)}")
+        console().print(f"[yellow]hint:[/yellow] {escape(redact(exc.hint))}")
 
 
 @click.group(
@@ -95,4 +99,11 @@ def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
 
 def main() -> None:
     """Console-script entry point."""
-    cli(prog_name="sits-deployer")
+    with redacting_stdio():
+        try:
+            cli(prog_name="sits-deployer")
+        except Exception:
+            # A bug's traceback passes the redaction of the secrets the command learned, as
+            # everything else it printed did; the exit status is Python's own for it.
+            traceback.print_exc()
+            sys.exit(1)

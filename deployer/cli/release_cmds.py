@@ -14,6 +14,7 @@ from deployer.cli.common import emit_json, examples, info, output_option
 from deployer.core.fsutil import atomic_write
 from deployer.core.hashing import sha256_file
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
+from deployer.core.redact import Secret
 from deployer.core.release import Envelope, PatchRef, make_release, read_envelope
 from deployer.core.verify import (
     Installed,
@@ -55,18 +56,18 @@ counter_option = click.option(
 )
 
 
-def _passphrase(env_name: str, *, confirm: bool) -> bytes:
+def _passphrase(env_name: str, *, confirm: bool) -> Secret:
     """The passphrase from `env_name`, else from a prompt on a terminal. Never echoed."""
-    value = os.environ.get(env_name)
+    value = Secret.from_env(env_name, os.environ)
     if value is not None:
-        return value.encode("utf-8")
+        return value
     if not sys.stdin.isatty():
         raise KeyFileError(
             f"no passphrase: ${env_name} is unset and there is no terminal to ask on",
             hint=f"export {env_name}=... or run interactively",
         )
     text = click.prompt("Key passphrase", hide_input=True, confirmation_prompt=confirm, err=True)
-    return str(text).encode("utf-8")
+    return Secret(str(text), "<the passphrase typed>")
 
 
 def _duration(text: str) -> timedelta:

@@ -2,8 +2,9 @@
 
 Secrets (passphrases, tokens, host names one would rather not print) are written as ``${VAR}``
 in deploy.yaml and taken from the environment at load time. An unset variable is a finding.
-Interpolated values are remembered so that any message mentioning one says
-"<value from ${VAR}>" instead. ``$${`` writes a literal ``${``.
+Interpolated values are registered with deployer.core.redact, so that any output mentioning one
+(a finding, an error, a plan file, a third party's error text) says "<value from ${VAR}>"
+instead. ``$${`` writes a literal ``${``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from typing import Any
 
 from deployer.config.findings import FieldPath, Finding
 from deployer.config.sourcemap import SourceMap
+from deployer.core.redact import redact, register
 
 _REFERENCE = re.compile(r"\$\$\{|\$\{([^}]*)\}|\$\{")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Shorter values would be replaced inside unrelated words and numbers of a message.
-_MIN_REDACTED_LENGTH = 3
 
 
 @dataclass
@@ -34,15 +34,13 @@ class Interpolated:
     findings: list[Finding] = field(default_factory=list)
     sources: dict[FieldPath, str] = field(default_factory=dict)
     unresolved: set[FieldPath] = field(default_factory=set)
-    _secrets: dict[str, str] = field(default_factory=dict)
 
-    def redact(self, finding: Finding) -> Finding:
-        """``finding`` with every interpolated value in its message and hint replaced."""
-        message, hint = finding.message, finding.hint
-        for value, label in sorted(self._secrets.items(), key=lambda item: -len(item[0])):
-            message = message.replace(value, label)
-            hint = hint.replace(value, label) if hint else hint
-        return Finding(finding.file, finding.line, finding.column, finding.path, message, hint)
+
+def redact_finding(finding: Finding) -> Finding:
+    """``finding`` with every interpolated value (of any file read so far) in its message and
+    hint replaced."""
+    hint = redact(finding.hint) if finding.hint else finding.hint
+    return Finding(finding.file, finding.line, finding.column, finding.path, redact(finding.message), hint)
 
 
 def interpolate(data: Any, positions: SourceMap, environ: Mapping[str, str]) -> Interpolated:
@@ -101,6 +99,5 @@ def _substitute(
         label = "<value from " + ", ".join(f"${{{n}}}" for n in names) + ">"
         out.sources[path] = label
         for secret in [result, *(environ[n] for n in names)]:
-            if len(secret) >= _MIN_REDACTED_LENGTH:
-                out._secrets[secret] = label
+            register(secret, label)
     return result

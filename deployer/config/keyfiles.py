@@ -13,6 +13,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
+from deployer.core.redact import Secret
+
 _CURVE = "secp256r1"
 
 
@@ -66,7 +68,7 @@ def private_key_problem(
 def _encrypted_key_problem(
     data: bytes, shown: str, passphrase_env: str, environ: Mapping[str, str]
 ) -> KeyProblem | None:
-    passphrase = environ.get(passphrase_env)
+    passphrase = Secret.from_env(passphrase_env, environ)
     if passphrase is None:
         return KeyProblem(
             f"private key {shown} is encrypted and ${passphrase_env} is not set",

@@ -18,7 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from deployer.config.checks import CheckInput, run_checks
 from deployer.config.findings import Finding, sort_findings
-from deployer.config.interpolate import Interpolated, interpolate
+from deployer.config.interpolate import Interpolated, interpolate, redact_finding
 from deployer.config.models import Config, Device, Inventory
 from deployer.config.schema_findings import validation_findings
 from deployer.config.sourcemap import SourceMap
@@ -91,7 +91,7 @@ def read_config(path: Path, environ: Mapping[str, str]) -> LoadResult:
     devices = [_valid(Device, d) for d in inline] if isinstance(inline, list) else None
     devices = None if devices is None or inventory is None else devices + inventory
     given = CheckInput(path.parent, main.positions, environ, devices=devices, **_sections(data))
-    findings = [main.values.redact(f) for f in findings + run_checks(given)]
+    findings = [redact_finding(f) for f in findings + run_checks(given)]
     if findings or config is None or devices is None:
         return LoadResult(None, sort_findings(findings))
     fleet_devices = [*config.fleet.devices, *(inventory or [])]
@@ -169,11 +169,11 @@ def _inventory_devices(
     except ValidationError as exc:
         values = document.values
         errors = validation_findings(exc, Inventory, document.positions, values.sources, values.unresolved)
-        return None, [document.values.redact(f) for f in findings + errors]
+        return None, [redact_finding(f) for f in findings + errors]
     inline = fleet.get("devices")
     offset = len(inline) if isinstance(inline, list) else 0
     positions.graft_items(document.positions, ("devices",), ("fleet", "devices"), offset)
-    return list(inventory.devices), [document.values.redact(f) for f in findings]
+    return list(inventory.devices), [redact_finding(f) for f in findings]
 
 
 def _sections(data: dict[str, Any]) -> dict[str, Any]:

@@ -7,13 +7,13 @@ plain text, since a device journal has no terminal to colour.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
+from deployer.core.redact import redact, redacted_json
 from deployer.errors import SitsError
 
 __all__ = ["emit_json", "examples", "output_option", "plain_error", "verbosity"]
@@ -30,7 +30,7 @@ def verbosity() -> int:
 
 def emit_json(data: Any) -> None:
     """Write machine-readable output to stdout, one JSON document."""
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    sys.stdout.write(redacted_json(data, indent=2, sort_keys=True) + "\n")
     sys.stdout.flush()
 
 
@@ -53,6 +53,6 @@ def examples(*commands: str) -> str:
 
 def plain_error(exc: SitsError) -> None:
     """Print an error and its hint to stderr as plain text, never a traceback."""
-    click.echo(f"error: {exc.message}", err=True)
+    click.echo(f"error: {redact(exc.message)}", err=True)
     if exc.hint:
-        click.echo(f"hint: {exc.hint}", err=True)
+        click.echo(f"hint: {redact(exc.hint)}", err=True)

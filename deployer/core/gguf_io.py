@@ -166,10 +166,10 @@ def read_gguf_header(path: Path) -> GGUFHeader:
 def _parse(r: _Reader, path: Path, file_size: int) -> GGUFHeader:
     if r.raw(4) != MAGIC:
         raise FormatError(f"{path}: not a GGUF file (bad magic)", hint="point at a .gguf model file")
-    version = r.scalar("<I")
+    version = r.uint("<I")
     if version not in VERSIONS:
         raise FormatError(f"{path}: unsupported GGUF version {version}", hint="re-export with a current gguf")
-    n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
+    n_tensors, n_kv = r.uint("<Q"), r.uint("<Q")
     if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
         raise FormatError(f"{path}: implausible counts ({n_tensors} tensors, {n_kv} metadata keys)")
     metadata: dict[str, object] = {}
@@ -177,7 +177,7 @@ def _parse(r: _Reader, path: Path, file_size: int) -> GGUFHeader:
         key = r.string()
         if key in metadata:
             raise FormatError(f"{path}: metadata key {key!r} appears twice")
-        metadata[key] = r.value(r.scalar("<I"), key)
+        metadata[key] = r.value(r.uint("<I"), key)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
         raise FormatError(f"{path}: general.alignment {alignment!r} is not a power of two")
@@ -190,18 +190,18 @@ def _parse(r: _Reader, path: Path, file_size: int) -> GGUFHeader:
 
 def _tensor_info(r: _Reader, path: Path) -> tuple[str, GGMLType, tuple[int, ...], int]:
     name = r.string()
-    n_dims = r.scalar("<I")
+    n_dims = r.uint("<I")
     if not 1 <= n_dims <= MAX_DIMS:
         raise FormatError(f"{path}: tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
-    shape = tuple(r.scalar("<Q") for _ in range(n_dims))
-    type_id = r.scalar("<I")
+    shape = tuple(r.uint("<Q") for _ in range(n_dims))
+    type_id = r.uint("<I")
     ggml_type = GGML_TYPES.get(type_id)
     if ggml_type is None:
         raise FormatError(
             f"{path}: tensor {name!r} has unknown ggml type {type_id}",
             hint="this reader knows " + ", ".join(t.name for t in GGML_TYPES.values()),
         )
-    return name, ggml_type, shape, r.scalar("<Q")
+    return name, ggml_type, shape, r.uint("<Q")
 
 
 def _place(
@@ -241,8 +241,12 @@ class _Reader:
     def scalar(self, fmt: str) -> int | float | bool:
         return struct.unpack(fmt, self.raw(struct.calcsize(fmt)))[0]
 
+    def uint(self, fmt: str) -> int:
+        """A count, length or type id: an unsigned integer field ("<I" or "<Q")."""
+        return int(self.scalar(fmt))
+
     def string(self) -> str:
-        n = self.scalar("<Q")
+        n = self.uint("<Q")
         if n > MAX_STRING_BYTES:
             raise FormatError(f"{self._path}: a string of {n} bytes in the header is too long")
         try:
@@ -256,7 +260,7 @@ class _Reader:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY and not in_array:  # nested arrays do not occur in model files
-            item_type, count = self.scalar("<I"), self.scalar("<Q")
+            item_type, count = self.uint("<I"), self.uint("<Q")
             if count > MAX_ARRAY_ITEMS:
                 raise FormatError(f"{self._path}: metadata {key!r} is an array of {count} items (too many)")
             if item_type in _SCALARS:  # one read for the whole array

@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import numpy as np
 import zstandard
@@ -60,6 +60,9 @@ from deployer.errors import (
     SitsError,
     UnsafePathError,
 )
+
+# Stream bytes come as one bytearray per read (filled in place); the rest takes any of these.
+Data = bytes | bytearray | memoryview
 
 # Little-endian integers of each item size: safetensors data is little-endian.
 UINT_BY_SIZE = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
@@ -347,7 +350,7 @@ def _open_base(base_dir: Path, target: TargetFile) -> Iterator[BinaryIO | None]:
 
 def _decode_segment(
     seg: Segment, streams: list[_StreamReader], base: BinaryIO | None, where: str
-) -> Iterator[bytes]:
+) -> Iterator[Data]:
     at = f"{where} [{seg.name}]"
     if seg.codec is Codec.COPY:
         for start in range(0, seg.length, BLOCK_BYTES):
@@ -371,7 +374,7 @@ def _decode_segment(
         )
 
 
-def _decode_block(seg: Segment, old: bytes, data: _Limited, n: int, at: str) -> bytes:
+def _decode_block(seg: Segment, old: bytes, data: _Limited, n: int, at: str) -> Data:
     if seg.codec is Codec.RAW:
         return data.read_exact(n)
     if seg.codec is Codec.XOR:
@@ -417,22 +420,24 @@ def sparse_positions(codes: np.ndarray, count: int, items: int, at: str) -> np.n
     return positions
 
 
-def _bsdiff_blocks(raw: bytes, base: BinaryIO | None, seg: Segment, at: str) -> Iterator[bytes]:
+def _bsdiff_blocks(raw: Data, base: BinaryIO | None, seg: Segment, at: str) -> Iterator[bytes]:
     """bsdiff4's patch format, applied incrementally: blocks of at most BLOCK_BYTES.
 
     Every length is checked before it is used; the control, diff and extra blocks are bzip2
-    streams decompressed only as far as the next control entry needs, so a small block that
-    expands hugely costs time bounded by the segment, never memory. The base range is read from
-    the open base file as entries need it.
+    streams fed a CHUNK at a time from views of `raw` (never copies of it) and decompressed only
+    as far as the next control entry needs, so a small block that expands hugely costs time
+    bounded by the segment, never memory. The base range is read from the open base file as
+    entries need it.
     """
     if len(raw) < 32 or raw[:8] != b"BSDIFF40":
         raise FormatError(f"{at}: bsdiff payload has no BSDIFF40 header")
     len_control, len_diff, len_dst = (_offtin(raw[i : i + 8]) for i in (8, 16, 24))
     if len_dst != seg.length or min(len_control, len_diff) < 0 or (32 + len_control + len_diff > len(raw)):
         raise FormatError(f"{at}: bsdiff header disagrees with the segment ({len_dst} bytes)")
-    control = _Bunzip(raw[32 : 32 + len_control], f"{at} bsdiff control")
-    diff = _Bunzip(raw[32 + len_control : 32 + len_control + len_diff], f"{at} bsdiff diff")
-    extra = _Bunzip(raw[32 + len_control + len_diff :], f"{at} bsdiff extra")
+    view = memoryview(raw)
+    control = _Bunzip(view[32 : 32 + len_control], f"{at} bsdiff control")
+    diff = _Bunzip(view[32 + len_control : 32 + len_control + len_diff], f"{at} bsdiff diff")
+    extra = _Bunzip(view[32 + len_control + len_diff :], f"{at} bsdiff extra")
     new_pos = old_pos = entries = 0
     out = bytearray()
     # Entries that do not move the output (x = y = 0) are allowed, as bsdiff may write them, but
@@ -466,53 +471,60 @@ def _bsdiff_blocks(raw: bytes, base: BinaryIO | None, seg: Segment, at: str) -> 
         yield bytes(out)
 
 
-def _offtin(b: bytes) -> int:
+def _offtin(b: Data) -> int:
     """bsdiff's signed 64-bit integer: little-endian magnitude, sign in the top bit."""
     (value,) = struct.unpack("<Q", b)
     return -(value & ~(1 << 63)) if value >> 63 else value
 
 
 class _Bunzip:
-    """One bzip2 block of a bsdiff payload, decompressed only as far as asked."""
+    """One bzip2 block of a bsdiff payload, decompressed only as far as asked.
 
-    def __init__(self, data: bytes, at: str) -> None:
+    The input is fed a CHUNK at a time, when the decoder asks for more: a decoder given all of it
+    at once keeps its own copy of what it has not used yet, which for a whole segment doubles the
+    memory the segment holds.
+    """
+
+    def __init__(self, data: memoryview, at: str) -> None:
         self._dec = bz2.BZ2Decompressor()
         self._data = data
-        self._fed = False
+        self._pos = 0
         self._at = at
 
     def read_exact(self, n: int) -> bytes:
         """Exactly `n` more bytes. Raises FormatError when the block ends first or is not bzip2."""
         parts, got = [], 0
-        try:
-            while got < n and not self._dec.eof:
-                data = b"" if self._fed else self._data
-                self._fed = True
-                chunk = self._dec.decompress(data, max_length=n - got)
-                if not chunk:  # the input is used up
-                    break
-                parts.append(chunk)
-                got += len(chunk)
-        except OSError as exc:
-            raise FormatError(f"{self._at}: not valid bzip2 ({exc})") from exc
+        while got < n and (chunk := self._more(n - got)):
+            parts.append(chunk)
+            got += len(chunk)
         if got != n:
             raise FormatError(f"{self._at}: ends before the control block does (truncated?)")
         return b"".join(parts)
 
     def at_end(self) -> bool:
         """Whether the block is used up: nothing left to decompress, and nothing after it."""
+        if self._more(1):
+            return False
+        return self._dec.eof and not self._dec.unused_data and self._pos == len(self._data)
+
+    def _more(self, n: int) -> bytes:
+        """Up to `n` more decompressed bytes; empty once the block or its input ends."""
         try:
-            if not self._dec.eof:
-                more = self._dec.decompress(b"" if self._fed else self._data, max_length=1)
-                self._fed = True
-                if more or not self._dec.eof:
-                    return False
+            while not self._dec.eof:
+                feed: Data = b""
+                if self._dec.needs_input:
+                    if self._pos == len(self._data):
+                        return b""
+                    feed = self._data[self._pos : self._pos + CHUNK]
+                    self._pos += len(feed)
+                if out := self._dec.decompress(feed, max_length=n):
+                    return out
         except OSError as exc:
             raise FormatError(f"{self._at}: not valid bzip2 ({exc})") from exc
-        return not self._dec.unused_data
+        return b""
 
 
-def _zstd_base_apply(old: bytes, raw: bytes, seg: Segment, at: str) -> bytes:
+def _zstd_base_apply(old: bytes, raw: Data, seg: Segment, at: str) -> bytes:
     """One zstd frame whose dictionary is the base range. Its declared size must be the segment's
     (at most MAX_WHOLE_BYTES) before anything is decompressed, and zstd refuses a frame whose
     content disagrees with it, so this never allocates more."""
@@ -536,7 +548,7 @@ def _read_base(base: BinaryIO | None, offset: int, n: int) -> bytes:
     return data
 
 
-def _u8(data: bytes) -> np.ndarray:
+def _u8(data: Data) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
@@ -566,24 +578,29 @@ class _StreamReader:
         self._region = region
         self._bz2 = bz2.BZ2Decompressor() if stream.coder is Coder.BZ2 else None
         self._zstd = (
+            # zstandard only calls read() on its source, which _Region provides.
             zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
-                region, read_across_frames=True
+                cast(BinaryIO, region), read_across_frames=True
             )
             if stream.coder is Coder.ZSTD
             else None
         )
 
-    def read(self, n: int) -> bytes:
-        """Up to `n` decoded bytes; fewer only at the end of the stream."""
-        parts: list[bytes] = []
+    def read(self, n: int) -> bytearray:
+        """Up to `n` decoded bytes; fewer only at the end of the stream. Decoded at most a block at
+        a time into one buffer, so a whole segment's bytes are held once (not again as the pieces
+        of a join)."""
+        out = bytearray(n)
         got = 0
         try:
-            while got < n and (chunk := self._read(n - got)):
-                parts.append(chunk)
-                got += len(chunk)
+            with memoryview(out) as view:
+                while got < n and (chunk := self._read(min(n - got, BLOCK_BYTES))):
+                    view[got : got + len(chunk)] = chunk
+                    got += len(chunk)
         except (zstandard.ZstdError, OSError, EOFError) as exc:
             raise FormatError(f"{self.at}: payload stream is not valid ({exc})") from exc
-        return b"".join(parts)
+        del out[got:]
+        return out
 
     def check_end(self) -> None:
         """Every segment is done: the stream must end here, with nothing after it (bytes after a
@@ -620,7 +637,7 @@ class _Limited:
     def __init__(self, stream: _StreamReader, left: int, at: str) -> None:
         self._stream, self.left, self._at = stream, left, at
 
-    def read_exact(self, n: int) -> bytes:
+    def read_exact(self, n: int) -> bytearray:
         """Exactly `n` bytes. Raises FormatError past the segment's share or the stream's end."""
         if n > self.left:
             raise FormatError(f"{self._at}: the segment reads past its {self.left} remaining stream bytes")

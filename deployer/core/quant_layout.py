@@ -67,10 +67,11 @@ def dequantize_int4(
 
 def dequantize(name: str, quant: ModuleQuant | None, stored: dict[str, torch.Tensor]) -> torch.Tensor:
     """The fp32 weight `name` that the stored tensors represent under `quant`."""
-    scheme = quant.scheme if quant else "fp32"
-    if scheme == "int8":
+    if quant is None:
+        return stored[name].float()
+    if quant.scheme == "int8":
         return dequantize_int8(stored[name], stored[f"{name}_scale"])
-    if scheme == "int4":
+    if quant.scheme == "int4":
         return dequantize_int4(
             stored[name], stored[f"{name}_scale"], stored[f"{name}_zero"], quant.in_features
         )

@@ -26,7 +26,7 @@ from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.errors import FormatError
 
 # Format 1 was signed over the legacy canonical form; it is still accepted and verified over it.
-FORMAT_VERSION = 2
+FORMAT_VERSION: Literal[2] = 2
 MAX_ENVELOPE_BYTES = 4 * 1024 * 1024
 MAX_SIGNATURES = 32
 SHA256 = r"^[0-9a-f]{64}$"

@@ -125,6 +125,33 @@ def load_trusted_keys(
     return TrustedKeys(keys, threshold)
 
 
+def load_usable_keys(
+    paths: Iterable[Path], threshold: int, *, where: str, warn: Callable[[str], None]
+) -> TrustedKeys:
+    """The trusted keys in `paths`, skipping any file that is not a usable key: `warn` gets a
+    message naming it. Skipping can only narrow trust (fewer keys make fewer releases valid, and
+    the threshold still applies), while refusing would let one stray file stop every update; the
+    device and the controller's pre-send check both load keys this way, so they agree.
+
+    Raises KeyFileError when too few usable keys remain, naming every file skipped in `where`.
+    """
+    skipped: list[str] = []
+
+    def skip(exc: KeyFileError) -> None:
+        warn(f"trusted key skipped: {exc.message}")
+        skipped.append(exc.message)
+
+    try:
+        return load_trusted_keys(paths, threshold, on_bad=skip)
+    except KeyFileError as exc:
+        if not skipped:
+            raise
+        raise KeyFileError(
+            f"{exc.message}; unusable key files in {where}: {'; '.join(skipped)}",
+            hint="replace or remove the unusable .pub files (sits-deployer keygen writes them)",
+        ) from exc
+
+
 def verify_release(
     envelope: Envelope, trusted: TrustedKeys, *, now: datetime, installed: Installed | None = None
 ) -> Release:

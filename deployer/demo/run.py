@@ -13,7 +13,6 @@ import functools
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 import yaml
 from rich.console import Console
 
+from deployer.demo.ports import PortReservation
 from deployer.errors import SitsError
 
 if TYPE_CHECKING:  # imported lazily where used, like the modules of the demo's other steps
@@ -53,15 +53,26 @@ class DemoOptions:
 
 @dataclass
 class DemoProject:
-    """The demo's project on disk: deploy.yaml, keys, device roots, agent ports."""
+    """The demo's project on disk: deploy.yaml, keys, device roots, and the agent ports, reserved
+    until `close()` (the agents bind them when `apply` starts them)."""
 
     dir: Path
-    ports: dict[str, int]
+    reservations: dict[str, PortReservation]
     env: dict[str, str]
 
     @property
     def config(self) -> Path:
         return self.dir / "deploy.yaml"
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Each device's agent port, by device name."""
+        return {name: r.port for name, r in self.reservations.items()}
+
+    def close(self) -> None:
+        """Give the ports back (once the agents are stopped)."""
+        for reservation in self.reservations.values():
+            reservation.close()
 
 
 def run_demo(options: DemoOptions) -> None:
@@ -84,6 +95,7 @@ def run_demo(options: DemoOptions) -> None:
     finally:
         if project is not None:
             stop_agents(project.config, project.env)
+            project.close()
         if options.keep:
             console().print(f"The demo project is kept in {base}")
         else:
@@ -156,14 +168,15 @@ def make_project(base: Path, *, engine: str = "torch") -> DemoProject:
         path = hook["path"] if isinstance(hook, dict) else hook
         resolved = str((example_dir / path).resolve())
         doc["hooks"][phase] = {**hook, "path": resolved} if isinstance(hook, dict) else resolved
-    ports = {}
+    reservations = {}
     for device in doc["fleet"]["devices"]:
         device["root"] = f"fleet/{device['name']}"
         device["python"] = sys.executable  # the agent runs from this environment, no wheel install
-        device["agent_port"] = ports[device["name"]] = _free_port()
+        reservations[device["name"]] = reservation = PortReservation()
+        device["agent_port"] = reservation.port
         (base / device["root"]).mkdir(parents=True, exist_ok=True)
     (base / "deploy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-    return DemoProject(base, ports, env)
+    return DemoProject(base, reservations, env)
 
 
 def _set_model(project: DemoProject, version: str, source: str) -> None:
@@ -268,9 +281,3 @@ def _run(argv: list[str], env: dict[str, str], *, cwd: Path | None = None, quiet
 
 def _sits() -> list[str]:
     return [sys.executable, "-m", "deployer"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -12,7 +12,6 @@ names and the extra private keys the caller passes (`publish --old-root-key`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,16 +131,11 @@ class KeyRing:
         return RoleSpec((RoleKey(self._load(path).public_key, path),), 1)
 
     def _load(self, path: Path) -> CryptoSigner:
-        from deployer.release.sign import is_encrypted, load_private_key
+        from deployer.release.sign import load_signing_key
 
         if path not in self._signers:
             env = self.config.signing.passphrase_env if self.config.signing else "SITS_SIGNING_PASSPHRASE"
-            secret = None
-            if is_encrypted(path):
-                if env not in os.environ:
-                    raise KeyFileError(f"{path} is encrypted and ${env} is not set", hint=f"export {env}=...")
-                secret = os.environ[env].encode("utf-8")
-            key = load_private_key(path, secret)
+            key = load_signing_key(path, env)
             self._signers[path] = CryptoSigner(key, SSlibKey.from_crypto(key.public_key()))
         return self._signers[path]
 

@@ -13,6 +13,7 @@ re-reads the facts and refuses when their digest differs from the one the plan w
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 from deployer.config.models import Config, Device
 from deployer.core.hashing import sha256_bytes
+from deployer.core.redact import redacted_json
 from deployer.errors import ConfigError, SignatureError, SitsError
 from deployer.push.bootstrap import build_wheel, desired_files
 from deployer.push.executor import Executor, OnPhase, ResultStatus, RolloutReport
@@ -46,6 +48,9 @@ __all__ = [
 ]
 
 PLAN_FILE_KIND = "sits-plan"
+# Warnings without a command's return value to carry them; with no handler configured, Python's
+# last-resort handler prints them to stderr.
+_log = logging.getLogger("sits.deployer")
 Connect = Callable[[Config, Device, DeviceSite], Transport]
 
 
@@ -228,14 +233,21 @@ def prepare_releases(fleet: FleetSession, fp: FleetPlan) -> dict[str, ReleaseFil
 
 def _check_signed_enough(config: Config, manifest: Path) -> None:
     """Refuse before anything is sent when the devices would refuse the release's signatures, e.g.
-    a k-of-n threshold that the one signing key of `apply` cannot meet alone."""
+    a k-of-n threshold that the one signing key of `apply` cannot meet alone. The trusted keys are
+    loaded as a device loads them: a file that is no usable key is skipped with a warning naming
+    it, so this check refuses exactly what the devices (which receive these files) would refuse."""
     from deployer.core.release import read_envelope
-    from deployer.core.verify import check_signatures, load_trusted_keys
+    from deployer.core.verify import check_signatures, load_usable_keys
 
     signing = config.signing
     if signing is None or not signing.trusted_keys:
         return
-    trusted = load_trusted_keys([config.resolve(k) for k in signing.trusted_keys], signing.threshold)
+    trusted = load_usable_keys(
+        [config.resolve(k) for k in signing.trusted_keys],
+        signing.threshold,
+        where="signing.trusted_keys",
+        warn=_log.warning,
+    )
     try:
         check_signatures(read_envelope(manifest), trusted)
     except SignatureError as exc:
@@ -329,7 +341,8 @@ def _mark_skipped(report: RolloutReport, skipped: Sequence[str]) -> RolloutRepor
 def write_plan_file(
     fp: FleetPlan, config_path: Path, out: Path, selector: Mapping[str, str], names: Sequence[str]
 ) -> None:
-    """Write a plan file that `apply plan.json` can execute."""
+    """Write a plan file that `apply plan.json` can execute, secrets redacted (check_plan_file
+    compares a fresh plan redacted the same way)."""
     data = {
         "kind": PLAN_FILE_KIND,
         "config": str(config_path.resolve()),
@@ -337,7 +350,7 @@ def write_plan_file(
         "devices": list(names),
         "plan": fp.plan.to_dict(),
     }
-    out.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    out.write_text(redacted_json(data, indent=2, sort_keys=True) + "\n")
 
 
 def load_plan_file(path: Path) -> dict[str, Any]:
@@ -359,7 +372,7 @@ def check_plan_file(saved: Mapping[str, Any], fresh: FleetPlan) -> None:
             "the fleet changed since this plan was made (facts digest or target differ); not applying it",
             hint="run `sits-deployer plan -o plan.json` again, review it, then apply the new file",
         )
-    if json.loads(json.dumps(fresh.plan.to_dict())) != plan:
+    if json.loads(redacted_json(fresh.plan.to_dict())) != plan:
         raise SitsError(
             "deploy.yaml changed since this plan was made (the steps differ); not applying it",
             hint="run `sits-deployer plan -o plan.json` again, review it, then apply the new file",

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from deployer.core.redact import redacted_json
 from deployer.errors import SitsError
 
 __all__ = ["FleetLock", "LockInfo", "append_audit", "force_unlock", "read_audit", "read_lock"]
@@ -120,9 +121,9 @@ def force_unlock(sits_dir: Path, lock_id: str) -> LockInfo:
 
 
 def append_audit(sits_dir: Path, record: dict[str, Any]) -> None:
-    """Append one record (one line, O_APPEND, fsynced) to the audit log."""
+    """Append one record (one line, O_APPEND, fsynced) to the audit log, secrets redacted."""
     sits_dir.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"at": _now(), **record}, sort_keys=True, default=str) + "\n"
+    line = redacted_json({"at": _now(), **record}, sort_keys=True) + "\n"
     fd = os.open(sits_dir / AUDIT_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, line.encode())

@@ -216,8 +216,8 @@ def _plan_file(rel: str, base_dir: Path | None, target_dir: Path) -> _FilePlan:
     new = _map(new_path)
     old_path = inside(base_dir, rel) if base_dir is not None else None
     old = _map(old_path) if old_path is not None else None
-    tables = _tensor_tables(old_path, new_path) if old_path is not None and old is not None else None
-    if tables is not None:
+    tables = _tensor_tables(old_path, new_path) if old_path is not None else None
+    if tables is not None and old is not None:
         jobs = tuple(_tensor_jobs(*tables, old, new))
     else:
         jobs = (_Job("<file>", new, old, 0, 1, tensor=False),)
@@ -231,7 +231,10 @@ def _map(path: Path) -> np.ndarray:
 
 
 TensorTable = SafetensorsHeader | GGUFHeader
-_TABLE_READERS = {".safetensors": read_header, ".gguf": read_gguf_header}
+_TABLE_READERS: dict[str, Callable[[Path], TensorTable]] = {
+    ".safetensors": read_header,
+    ".gguf": read_gguf_header,
+}
 
 
 def _tensor_tables(old_path: Path, new_path: Path) -> tuple[TensorTable, TensorTable] | None:

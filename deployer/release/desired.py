@@ -16,7 +16,6 @@ a higher counter, so the devices' anti-rollback check stays on.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -192,7 +191,7 @@ class Releaser:
         return path
 
     def _signing_key(self):
-        from deployer.release.sign import is_encrypted, load_private_key
+        from deployer.release.sign import load_signing_key
 
         signing = self.config.signing
         if signing is None or signing.private_key is None:
@@ -200,17 +199,7 @@ class Releaser:
                 "deploy.yaml has no signing.private_key: devices only install signed releases",
                 hint="make a key with `sits-deployer keygen -o keys/release` and name it under signing:",
             )
-        path = self.config.resolve(signing.private_key)
-        secret = None
-        if is_encrypted(path):
-            value = os.environ.get(signing.passphrase_env)
-            if value is None:
-                raise KeyFileError(
-                    f"{path} is encrypted and ${signing.passphrase_env} is not set",
-                    hint=f"export {signing.passphrase_env}=... before running apply or rollback",
-                )
-            secret = value.encode("utf-8")
-        return load_private_key(path, secret)
+        return load_signing_key(self.config.resolve(signing.private_key), signing.passphrase_env)
 
     def _path(self, counter: int) -> Path:
         return self.releases_dir / f"{counter}.json"

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import base64
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from deployer.core.redact import Secret
 from deployer.core.release import Envelope, Release, SignatureEntry
 from deployer.core.verify import key_id, read_key_file
 from deployer.errors import KeyFileError
@@ -31,7 +33,7 @@ class KeyPair:
 
 
 def generate_key(
-    private_path: Path, public_path: Path, *, passphrase: bytes | None, unencrypted: bool = False
+    private_path: Path, public_path: Path, *, passphrase: Secret | None, unencrypted: bool = False
 ) -> KeyPair:
     """Create a P-256 key pair; refuse to overwrite existing files. Raises KeyFileError.
 
@@ -46,7 +48,7 @@ def generate_key(
         raise KeyFileError("the passphrase is shorter than 8 characters", hint="use a longer one")
     key = ec.generate_private_key(ec.SECP256R1())
     encryption = (
-        serialization.BestAvailableEncryption(passphrase)
+        serialization.BestAvailableEncryption(passphrase.encode())
         if passphrase is not None
         else serialization.NoEncryption()
     )
@@ -75,11 +77,11 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
         os.fsync(f.fileno())
 
 
-def load_private_key(path: Path, passphrase: bytes | None) -> ec.EllipticCurvePrivateKey:
+def load_private_key(path: Path, passphrase: Secret | None) -> ec.EllipticCurvePrivateKey:
     """Load a P-256 private key PEM. Raises KeyFileError (missing, wrong passphrase, wrong type)."""
     pem = read_key_file(path)
     try:
-        key = serialization.load_pem_private_key(pem, password=passphrase)
+        key = serialization.load_pem_private_key(pem, password=passphrase.encode() if passphrase else None)
     except TypeError as exc:
         raise KeyFileError(
             f"{path}: the key is encrypted and no passphrase was given",
@@ -95,6 +97,22 @@ def load_private_key(path: Path, passphrase: bytes | None) -> ec.EllipticCurvePr
 def is_encrypted(path: Path) -> bool:
     """Whether a private key PEM file is encrypted (so a passphrase is needed to load it)."""
     return b"ENCRYPTED" in read_key_file(path)
+
+
+def load_signing_key(
+    path: Path, passphrase_env: str, environ: Mapping[str, str] | None = None
+) -> ec.EllipticCurvePrivateKey:
+    """The private key at `path`, opened (when encrypted) with the passphrase in $`passphrase_env`,
+    taken as a Secret. Raises KeyFileError (unset variable, wrong passphrase, not a key)."""
+    passphrase = None
+    if is_encrypted(path):
+        passphrase = Secret.from_env(passphrase_env, os.environ if environ is None else environ)
+        if passphrase is None:
+            raise KeyFileError(
+                f"{path} is encrypted and ${passphrase_env} is not set",
+                hint=f"export {passphrase_env}=... before running this command",
+            )
+    return load_private_key(path, passphrase)
 
 
 def envelope_for(release: Release) -> Envelope:

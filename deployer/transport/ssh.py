@@ -21,6 +21,7 @@ from pathlib import Path
 import paramiko
 from paramiko.hostkeys import InvalidHostKey
 
+from deployer.core.redact import Secret
 from deployer.errors import HostKeyError, KeyFileError, RefusedError, TransportError
 from deployer.transport.base import ConnectionDropped, RetryPolicy, RunResult, Transport, copy_range
 from deployer.transport.hostkeys import KnownHostsPolicy, changed_key_error
@@ -38,7 +39,7 @@ class SshOptions:
 
     user: str = "root"
     key_file: Path | None = None  # None: the SSH agent and ~/.ssh/id_* keys
-    passphrase: str | None = field(default=None, repr=False)
+    passphrase: Secret | None = None  # of key_file; a Secret never shows in a repr or message
     known_hosts: Path = field(default_factory=lambda: Path("~/.ssh/known_hosts").expanduser())
     trust_on_first_use: bool = False
     connect_timeout_s: float = 10.0
@@ -155,8 +156,9 @@ class SshTransport(Transport):
         key_file = self.options.key_file
         if key_file is None or self._pkey is not None:
             return self._pkey
+        passphrase = self.options.passphrase.reveal() if self.options.passphrase else None
         try:
-            self._pkey = paramiko.PKey.from_path(key_file, password=self.options.passphrase)
+            self._pkey = paramiko.PKey.from_path(key_file, password=passphrase)
         except OSError as exc:
             raise KeyFileError(f"cannot read SSH key {key_file}: {exc.strerror or exc}") from exc
         except (ValueError, TypeError, paramiko.SSHException) as exc:

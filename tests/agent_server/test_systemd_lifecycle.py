@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from http.client import HTTPConnection
 from pathlib import Path
 
@@ -18,16 +20,40 @@ import pytest
 from deployer.agent.store import DeviceStore
 
 REPO = Path(__file__).resolve().parents[2]
+PREFIX = "sits-agent event "
 SERVE = (
     "import sys; from pathlib import Path; from deployer.agent.settings import load_settings; "
     "from deployer.agent.http.server import run_server; run_server(load_settings(Path(sys.argv[1])))"
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class _Journal:
+    """The agent's stderr (its journal lines), read as they come by a thread; `port` is where the
+    agent said it listens: it binds port 0 and reports the port, so no port is picked in advance."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._listening = queue.Queue[str]()
+        self._reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._reader.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            self.lines.append(line)
+            if PREFIX in line and json.loads(line.split(PREFIX, 1)[1])["event"] == "listening":
+                self._listening.put(line)
+        self._listening.put("")  # the agent exited
+
+    def port(self) -> int:
+        line = self._listening.get(timeout=120)
+        assert line, "the agent exited before listening:\n" + "".join(self.lines)
+        return int(json.loads(line.split(PREFIX, 1)[1])["reason"].rsplit(":", 1)[1])
+
+    def text(self) -> str:
+        """Everything, once the agent has exited."""
+        self._reader.join(timeout=60)
+        return "".join(self.lines)
 
 
 def _wait_for(sock: socket.socket, key: str, seen: list[dict]) -> dict:
@@ -59,10 +85,9 @@ def _get_json(port: int, path: str) -> dict:
 
 
 def test_notify_reload_on_sighup_and_journal_lines(tmp_path, device_root):
-    port = _free_port()
     config = tmp_path / "agent.yaml"
     config.write_text(
-        f"port: {port}\nroot: {device_root.root}\nthreads: 1\ncontext_length: 256\nmax_prompt_tokens: 128\n"
+        f"port: 0\nroot: {device_root.root}\nthreads: 1\ncontext_length: 256\nmax_prompt_tokens: 128\n"
         "smoke_prompts:\n  - prompt: Hi\n    max_tokens: 2\n"
     )
     notify_path = str(tmp_path / "notify.sock")
@@ -74,8 +99,10 @@ def test_notify_reload_on_sighup_and_journal_lines(tmp_path, device_root):
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVE, str(config)], env=env, stderr=subprocess.PIPE, text=True
     )
+    journal = _Journal(proc)
     seen: list[dict] = []
     try:
+        port = journal.port()
         assert _wait_for(sock, "READY", seen)["STATUS"] == "serving v1"
         assert _get_json(port, "/v1/models")["data"][0]["version"] == "v1"
         _wait_for(sock, "WATCHDOG", seen)
@@ -88,16 +115,16 @@ def test_notify_reload_on_sighup_and_journal_lines(tmp_path, device_root):
 
         proc.send_signal(signal.SIGTERM)
         _wait_for(sock, "STOPPING", seen)
-        _, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
         sock.close()
     assert proc.returncode == 0
-    prefix = "sits-agent event "
-    events = [json.loads(line.split(prefix, 1)[1]) for line in stderr.splitlines() if prefix in line]
-    assert all(line.startswith("<") for line in stderr.splitlines() if prefix in line)  # journald priority
+    stderr = journal.text()
+    events = [json.loads(line.split(PREFIX, 1)[1]) for line in stderr.splitlines() if PREFIX in line]
+    assert all(line.startswith("<") for line in stderr.splitlines() if PREFIX in line)  # journald priority
     names = [e["event"] for e in events]
     assert names[0] == "listening"
     swaps = [(e["version"], e["reason"]) for e in events if e["event"] == "swap-started"]
@@ -115,7 +142,7 @@ def test_a_version_that_fails_to_load_exits_non_zero_without_ready(tmp_path, dev
     store.set_pointer("current", "v3")
     config = tmp_path / "agent.yaml"
     config.write_text(
-        f"port: {_free_port()}\nroot: {store.root}\nthreads: 1\ncontext_length: 256\nmax_prompt_tokens: 128\n"
+        f"port: 0\nroot: {store.root}\nthreads: 1\ncontext_length: 256\nmax_prompt_tokens: 128\n"
     )
     notify_path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

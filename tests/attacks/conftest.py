@@ -1,10 +1,12 @@
-"""The attack suite reuses the device-store fixtures: real tiny artifacts, patches and a release key."""
+"""The attack suite reuses the device-store fixtures (real tiny artifacts, patches and a release
+key) and pull mode's (a project that publishes channels of tiny artifacts)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from tests.agent_store.conftest import device, kit  # noqa: F401  (fixtures, used by name)
+from tests.pull.conftest import built_store, project, sources  # noqa: F401  (fixtures, used by name)
 
 
 def snapshot(root: Path) -> dict[str, bytes | str]:

@@ -21,6 +21,7 @@ import zstandard
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from deployer.agent.updater import Updater
+from deployer.config.models import Config
 from deployer.core.patch_format import Codec
 from deployer.core.release import PatchRef, make_release
 from deployer.errors import (
@@ -31,6 +32,7 @@ from deployer.errors import (
     ReplayError,
     SignatureError,
 )
+from deployer.push.fleet import _check_signed_enough
 from deployer.release.delta import create_patch
 from deployer.release.sign import add_signature, envelope_for
 from tests.attacks.conftest import snapshot
@@ -287,3 +289,35 @@ def test_only_junk_public_keys_is_a_clear_error_naming_them(device, kit):
         "release.pub: not a PEM public key",
         lambda: updater.install(kit.release("1.0.0", 1), artifact=kit.artifacts["1.0.0"]),
     )
+
+
+def _trusting(*keys: Path) -> Config:
+    """A controller config whose signing.trusted_keys are `keys` (the files devices receive)."""
+    return Config.model_validate(
+        {
+            "application": "attacks",
+            "model": {"name": "tiny", "version": "1.0.0", "source": "x"},
+            "signing": {"trusted_keys": [str(k) for k in keys]},
+            "fleet": {"devices": [{"name": "d", "transport": "local"}]},
+        }
+    )
+
+
+def test_the_controllers_pre_send_check_skips_a_junk_key_as_the_device_does(device, kit, tmp_path, caplog):
+    junk = tmp_path / "junk.pub"
+    junk.write_text("not a key\n")
+    shutil.copyfile(junk, device.keys_dir / "junk.pub")
+    manifest = kit.release("1.0.0", 1)
+    with caplog.at_level(logging.WARNING):
+        _check_signed_enough(_trusting(kit.public_key, junk), manifest)  # would send: the device takes it
+        Updater(device).install(manifest, artifact=kit.artifacts["1.0.0"])
+    assert device.current_version() == "1.0.0"
+    warned = {r.name for r in caplog.records if "junk.pub: not a PEM public key" in r.getMessage()}
+    assert warned == {"sits.deployer", "sits.agent"}
+
+
+def test_the_pre_send_check_refuses_only_junk_keys_naming_them_as_the_device_does(tmp_path, kit):
+    junk = tmp_path / "junk.pub"
+    junk.write_text("not a key\n")
+    with pytest.raises(KeyFileError, match=r"unusable key files in signing.trusted_keys: .*junk\.pub"):
+        _check_signed_enough(_trusting(junk), kit.release("1.0.0", 1))

@@ -7,7 +7,6 @@ Each device is a directory; its agent runs as a background `sits-agent serve` on
 from __future__ import annotations
 
 import shutil
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from deployer.push.bootstrap import stop_agent
 from deployer.push.facts import DeviceSite
 from deployer.release.sign import generate_key
 from deployer.transport import LocalTransport
+from tests.ports import reserved_port
 
 DEVICES = ("edge-a", "edge-b", "edge-c")
 
@@ -31,12 +31,6 @@ fail=$(cat "$(dirname "$0")/fail-device" 2>/dev/null)
 [ "$SITS_DEVICE" = "$fail" ] && { echo "check failed on $SITS_DEVICE"; exit 3; }
 echo "$SITS_PHASE $SITS_DEVICE $SITS_FROM_VERSION -> $SITS_TO_VERSION" >> "$(dirname "$0")/calls.log"
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -94,7 +88,7 @@ def local_devices(base: Path, names: tuple[str, ...], python: str) -> list[dict]
                 "transport": "local",
                 "root": f"devices/{name}",
                 "python": python,
-                "agent_port": _free_port(),
+                "agent_port": reserved_port(),
                 "labels": {"ring": "canary" if name == names[0] else "main"},
             }
         )

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.ports import reserved_port
+
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 _CONF = """\
 {user}
@@ -79,9 +81,7 @@ def start_nginx(
         raise FileNotFoundError("nginx is not installed (apt-get install -y nginx)")
     run.mkdir(parents=True, exist_ok=True)
     root.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
+    port = reserved_port(host)
     user = "user root;" if os.geteuid() == 0 else ""  # workers must read files under the tmp dirs
     conf = run / "nginx.conf"
     conf.write_text(

@@ -5,7 +5,6 @@ polls by itself."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from deployer.errors import ConfigError
 from deployer.push.bootstrap import desired_files, stop_agent
 from deployer.push.facts import PULL_CONFIG, PULL_ROOT, UNIT_DIR, DeviceSite
 from deployer.transport import LocalTransport
+from tests.ports import reserved_port
 from tests.pull.nginx import Nginx
 from tests.pull.project import Project
 
@@ -26,15 +26,12 @@ CDN = "https://cdn.example/sits"
 
 def _local(project: Project, name: str, labels: dict[str, str]) -> dict:
     (project.dir / "devices" / name).mkdir(parents=True, exist_ok=True)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     return {
         "name": name,
         "transport": "local",
         "root": f"devices/{name}",
         "python": sys.executable,
-        "agent_port": port,
+        "agent_port": reserved_port(),
         "labels": labels,
     }
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from deployer.errors import TransportError
+from tests.ports import reserved_port
 from tests.pull.project import Project, make_device
 
 boto3 = pytest.importorskip("boto3")
@@ -33,9 +34,7 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A moto S3 server on a free loopback port; its endpoint URL. Dummy credentials only."""
     if not _moto_available():
         pytest.skip("moto's server mode is not installed (pip install 'moto[server]')")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = reserved_port()
     proc = subprocess.Popen(
         [MOTO_PYTHON, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from deployer.core.redact import Secret
 from deployer.core.release import Envelope, PatchRef, SignatureEntry, make_release, parse_envelope
 from deployer.core.verify import (
     Installed,
@@ -178,19 +179,19 @@ def test_malformed_signed_part_is_refused_after_signature(fleet):
 
 
 def test_keygen_writes_an_encrypted_key_and_never_overwrites(tmp_path):
-    pair = generate_key(tmp_path / "k.key", tmp_path / "k.pub", passphrase=b"correct horse")
+    pair = generate_key(tmp_path / "k.key", tmp_path / "k.pub", passphrase=Secret("correct horse"))
     pem = (tmp_path / "k.key").read_bytes()
     assert b"ENCRYPTED PRIVATE KEY" in pem
     assert (tmp_path / "k.key").stat().st_mode & 0o777 == 0o600
-    key = load_private_key(tmp_path / "k.key", b"correct horse")
+    key = load_private_key(tmp_path / "k.key", Secret("correct horse"))
     assert isinstance(key, ec.EllipticCurvePrivateKey)
     assert list(load_trusted_keys([tmp_path / "k.pub"]).keys) == [pair.keyid]
     with pytest.raises(KeyFileError, match="wrong passphrase"):
-        load_private_key(tmp_path / "k.key", b"wrong horse!")
+        load_private_key(tmp_path / "k.key", Secret("wrong horse!"))
     with pytest.raises(KeyFileError, match="no passphrase was given"):
         load_private_key(tmp_path / "k.key", None)
     with pytest.raises(KeyFileError, match="refusing to overwrite"):
-        generate_key(tmp_path / "k.key", tmp_path / "k2.pub", passphrase=b"correct horse")
+        generate_key(tmp_path / "k.key", tmp_path / "k2.pub", passphrase=Secret("correct horse"))
     with pytest.raises(KeyFileError, match="no passphrase"):
         generate_key(tmp_path / "n.key", tmp_path / "n.pub", passphrase=None)
     generate_key(tmp_path / "u.key", tmp_path / "u.pub", passphrase=None, unencrypted=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import paramiko
 import pytest
 
+from deployer.core.redact import Secret
 from deployer.errors import HostKeyError, KeyFileError
 from deployer.transport.base import RetryPolicy
 from deployer.transport.ssh import SshOptions, SshTransport
@@ -29,12 +30,13 @@ def test_encrypted_key_without_passphrase_is_refused_without_echoing_secrets(tmp
         _transport(key_file=key, known_hosts=tmp_path / "kh").run("true")
     assert "enc_key" in str(caught.value)
     with pytest.raises(KeyFileError) as caught:
-        _transport(key_file=key, passphrase="wrong-pass", known_hosts=tmp_path / "kh").run("true")
+        _transport(key_file=key, passphrase=Secret("wrong-pass"), known_hosts=tmp_path / "kh").run("true")
     assert "wrong-pass" not in str(caught.value) and "s3cret" not in str(caught.value)
 
 
 def test_options_never_show_the_passphrase():
-    assert "hunter2" not in repr(SshOptions(passphrase="hunter2"))
+    options = SshOptions(passphrase=Secret("hunter2"))
+    assert "hunter2" not in repr(options) and "hunter2" not in f"{options.passphrase} {options}"
 
 
 def test_broken_known_hosts_file_is_a_host_key_error(tmp_path):
