@@ -10,6 +10,7 @@ which records the kernel each layer runs.
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant
 from deployer.core.safetensors_io import TensorEntry, read_header
 from deployer.errors import AgentError, FormatError
 
+# torch's cuBLAS workspace before Hopper: 2 x 4 MiB + 8 x 16 KiB per stream.
+CUBLAS_WORKSPACE = ":4096:2:16:8"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -199,6 +202,11 @@ def build_model(
     the source in errors."""
     args = args_from_config(config, where / "config.json")
     dev = torch.device(device)
+    if dev.type == "cuda":
+        # On Hopper torch gives cuBLAS 32 MiB of workspace per stream, a fifth of SmolLM2 int4's
+        # whole footprint; decode matmuls are skinny, so the pre-Hopper default serves. Read at
+        # cuBLAS's first use in the process, and an operator's own setting wins.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     compute = choose_dtype(dtype, facts, weights, dev)
     with torch.device("meta"):
         model = Transformer(args)
