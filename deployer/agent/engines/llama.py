@@ -111,7 +111,7 @@ def _refuse_rope_scaling(config: dict[str, Any], where: Path) -> None:
     unknown = kinds - {None, "default"}
     if unknown:
         raise AgentError(
-            f"{where}: rope scaling {sorted(unknown)} is not supported by the torch engine",
+            f"{where}: rope scaling {sorted(map(str, unknown))} is not supported by the torch engine",
             hint="use a checkpoint without rope_scaling, or the llama.cpp engine",
         )
 
@@ -141,6 +141,9 @@ class RMSNorm(nn.Module):
 class KVCache(nn.Module):
     """Preallocated keys and values: `slots` sequences of `max_len` positions, plus one scratch
     position (index `max_len`) where rows that take no part in a decode step write harmlessly."""
+
+    k: torch.Tensor
+    v: torch.Tensor
 
     def __init__(self, slots: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -213,10 +216,12 @@ class Attention(nn.Module):
             cache.k[slot : slot + 1, :, at:end] = k
             cache.v[slot : slot + 1, :, at:end] = v
             keys, values = cache.k[slot : slot + 1, :, :end], cache.v[slot : slot + 1, :, :end]
-        else:
+        elif isinstance(slot, torch.Tensor) and isinstance(at, torch.Tensor):
             cache.k[slot, :, at] = k[0].transpose(0, 1)
             cache.v[slot, :, at] = v[0].transpose(0, 1)
             keys, values = cache.k.index_select(0, slot), cache.v.index_select(0, slot)
+        else:
+            raise TypeError("slot and at are both ints or both tensors")
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
 
@@ -339,11 +344,17 @@ class Transformer(nn.Module):
     on the device from a positions tensor, so it has the same shapes at every step.
     """
 
+    # Buffers made by setup_caches.
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    key_positions: torch.Tensor
+    rows: torch.Tensor
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.model = DecoderStack(args)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_len = 0
         self.slots = 0
 

@@ -318,12 +318,14 @@ def _concat(
         bias = torch.cat(
             [b if b is not None else torch.zeros(w.weight.shape[0]) for b, w in zip(biases, ws, strict=True)]
         )
-    scale = torch.cat([w.scale for w in ws]) if ws[0].scale is not None else None
-    zero = torch.cat([w.zero for w in ws]) if ws[0].zero is not None else None
+    scales = [w.scale for w in ws if w.scale is not None]
+    zeros = [w.zero for w in ws if w.zero is not None]
+    scale = torch.cat(scales) if scales else None
+    zero = torch.cat(zeros) if zeros else None
     joined = LinearWeights(torch.cat([w.weight for w in ws]), bias, scale, zero)
     if first is None:
         return joined, None
-    out = sum(x.out_features for x in layouts)
+    out = sum(x.out_features for x in layouts if x is not None)
     return joined, ModuleQuant(first.scheme, first.group_size, first.in_features, first.in_padded, out)
 
 

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,6 +37,9 @@ from deployer.agent.engines.qlinear import KERNEL_LINEAR
 from deployer.agent.engines.sampling import Sampler, choose, new_generator
 from deployer.agent.engines.textstream import token_events
 from deployer.errors import AgentError
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 DEFAULT_MAX_CONTEXT = 2048
 WARMUP_MESSAGES = (ChatMessage("user", "Hello"),)
@@ -75,6 +79,31 @@ class _Decode:
     graph_note: str = "eager"
     prefills: dict[int, Graph] = field(default_factory=dict)  # prefill, by chunk length
     prefill_note: str = "eager"
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What the captured graphs read, and the pinned host buffers they are filled from: `step`
+    [2, slots] tokens and positions; `prefill` [3, chunk] tokens, positions, then the slot and
+    the index of the chunk's last token."""
+
+    step: torch.Tensor
+    step_host: torch.Tensor
+    prefill: torch.Tensor
+    prefill_host: torch.Tensor
+
+    @classmethod
+    def allocate(cls, slots: int, chunk: int, device: torch.device) -> _Inputs:
+        """Zeroed buffers on `device`, the host ones pinned when it is a GPU."""
+        pin = device.type == "cuda"
+
+        def pair(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (rows, cols)
+            return torch.zeros(shape, dtype=torch.long, device=device), torch.zeros(
+                shape, dtype=torch.long, pin_memory=pin
+            )
+
+        return cls(*pair(2, slots), *pair(3, chunk))
 
 
 class TorchEngine(Engine):
@@ -120,10 +149,7 @@ class TorchEngine(Engine):
         self._busy = threading.Lock()
         self._state: list[_Slot] = []
         self._decode = _Decode()
-        self._io: torch.Tensor | None = None  # [2, slots] tokens and positions the step reads
-        self._io_host: torch.Tensor | None = None
-        self._prefill_io: torch.Tensor | None = None
-        self._prefill_host: torch.Tensor | None = None
+        self._io: _Inputs | None = None
         self._reused = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -160,15 +186,10 @@ class TorchEngine(Engine):
             )
         self._loaded = loaded
         self._state = [_Slot() for _ in range(self._slots)]
-        self._io = torch.zeros((2, self._slots), dtype=torch.long, device=loaded.device)
-        pin = loaded.device.type == "cuda"
-        self._io_host = torch.zeros((2, self._slots), dtype=torch.long, pin_memory=pin)
-        # What a prefill graph reads: rows tokens, positions, then [slot, index of the last token].
         chunk = max([b for b in PREFILL_BUCKETS if b <= loaded.model.max_len], default=1)
-        self._prefill_io = torch.zeros((3, chunk), dtype=torch.long, device=loaded.device)
-        self._prefill_host = torch.zeros((3, chunk), dtype=torch.long, pin_memory=pin)
+        self._io = _Inputs.allocate(self._slots, chunk, loaded.device)
         self._decode = _prepare(
-            loaded, self._io, self._prefill_io, self._buckets, self._want_compile, self._want_graphs
+            loaded, self._io.step, self._io.prefill, self._buckets, self._want_compile, self._want_graphs
         )
         if loaded.device.type == "cuda":
             torch.cuda.empty_cache()  # hand back what compiling and tuning left in the cache
@@ -185,8 +206,7 @@ class TorchEngine(Engine):
         A generation still running keeps its own reference and frees the model when it ends.
         """
         self._loaded = self._codec = self._template = None
-        self._decode, self._io, self._io_host, self._state = _Decode(), None, None, []
-        self._prefill_io = self._prefill_host = None
+        self._decode, self._io, self._state = _Decode(), None, []
         gc.collect()
         if self._device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -201,7 +221,7 @@ class TorchEngine(Engine):
                 "this model has no chat template", hint="use /v1/completions with a plain prompt"
             )
         text = self._template.render(messages, add_generation_prompt=True)
-        return self._codec.encode(text, add_special_tokens=False)
+        return self._require_text().encode(text, add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids, with the tokenizer's own special tokens (e.g. BOS) if it adds any."""
@@ -243,10 +263,10 @@ class TorchEngine(Engine):
     def _run_prompt(self, loaded: LoadedModel, slot: int, prompt: list[int], start: int) -> torch.Tensor:
         """Write prompt[start:] into `slot`'s cache; the logits [1, V] of its last token."""
         graphs = self._decode.prefills
-        if not graphs or self._prefill_io is None or self._prefill_host is None:
+        if not graphs:
             ids = torch.tensor([prompt[start:]], dtype=torch.long, device=loaded.device)
             return loaded.model.prefill(ids, slot, start)[0]
-        io, pinned = self._prefill_io, self._prefill_host
+        io, pinned = self._inputs().prefill, self._inputs().prefill_host
         host, largest = pinned.numpy(), io.shape[1]
         while True:
             n = min(largest, len(prompt) - start)
@@ -274,9 +294,11 @@ class TorchEngine(Engine):
         states = [self._slot(s) for s in slots]
         if not slots or len(set(slots)) != len(slots):
             raise AgentError(f"step needs distinct slots, got {list(slots)}")
+        lasts = []
         for s, state in zip(slots, states, strict=True):
             if state.last is None:
                 raise AgentError(f"slot {s} is not running", hint="prefill it first")
+            lasts.append(state.last)
             if len(state.held) >= loaded.model.max_len:
                 raise AgentError(
                     f"slot {s} has filled its {loaded.model.max_len} cache positions",
@@ -286,12 +308,14 @@ class TorchEngine(Engine):
         bucket = next((b for b in self._buckets if b >= rows), rows) if self._decode.graphs else rows
         # Written through numpy (a torch element write costs microseconds of dispatch) into pinned
         # memory, then one copy: the previous step's copy is done, its tokens were read back.
-        host = self._io_host.numpy()
+        inputs = self._inputs()
+        host = inputs.step_host.numpy()
         host[0, :bucket] = 0
         host[1, :bucket] = loaded.model.scratch_position
-        for s, state in zip(slots, states, strict=True):
-            host[0, s], host[1, s] = state.last, len(state.held)
-        self._io.copy_(self._io_host, non_blocking=True)
+        for s, state, last in zip(slots, states, lasts, strict=True):
+            host[0, s], host[1, s] = last, len(state.held)
+        io = inputs.step
+        io.copy_(inputs.step_host, non_blocking=True)
         graph = self._decode.graphs.get(bucket)
         if graph is not None:
             graph[0].replay()
@@ -300,11 +324,11 @@ class TorchEngine(Engine):
             # Eager layers attend only the positions in use; compiled ones keep the fixed shapes,
             # or every new length would compile again.
             kv_len = None if self._decode.compiled else max(len(state.held) for state in states) + 1
-            logits = loaded.model.decode(self._io[0, :bucket], self._io[1, :bucket], kv_len)
+            logits = loaded.model.decode(io[0, :bucket], io[1, :bucket], kv_len)
         tokens = choose(logits[: max(slots) + 1], _samplers_for(states, slots))
         out = []
-        for s, state in zip(slots, states, strict=True):
-            state.held.append(state.last)
+        for s, state, last in zip(slots, states, lasts, strict=True):
+            state.held.append(last)
             state.last = tokens[s]
             out.append(tokens[s])
         return out
@@ -399,6 +423,12 @@ class TorchEngine(Engine):
             raise AgentError("no model is loaded in this engine", hint="call load() first")
         return self._loaded
 
+    def _inputs(self) -> _Inputs:
+        self._require()
+        if self._io is None:
+            raise AgentError("the engine has no model attached", hint="call load() first")
+        return self._io
+
     def _require_text(self) -> TextCodec:
         self._require()
         if self._codec is None:
@@ -413,7 +443,7 @@ def _samplers_for(states: Sequence[_Slot], slots: Sequence[int]) -> list[Sampler
     """A sampler per cache row 0..max(slots); rows outside the step take the (free) argmax."""
     rows = [_GREEDY] * (max(slots) + 1)
     for s, state in zip(slots, states, strict=True):
-        rows[s] = state.sampler
+        rows[s] = state.sampler or _GREEDY
     return rows
 
 
@@ -510,7 +540,7 @@ def _try_decode(loaded: LoadedModel, io: torch.Tensor) -> str | None:
 
 
 def _capture_decode(
-    loaded: LoadedModel, io: torch.Tensor, bucket: int, pool: tuple[int, int], stream: torch.cuda.Stream
+    loaded: LoadedModel, io: torch.Tensor, bucket: int, pool: _POOL_HANDLE, stream: torch.cuda.Stream
 ) -> Graph:
     """A CUDA graph of one decode step over rows 0..bucket-1 reading `io`, and its logits."""
     io[0, :bucket] = 0
@@ -520,7 +550,7 @@ def _capture_decode(
 
 
 def _capture_prefill(
-    loaded: LoadedModel, io: torch.Tensor, length: int, pool: tuple[int, int], stream: torch.cuda.Stream
+    loaded: LoadedModel, io: torch.Tensor, length: int, pool: _POOL_HANDLE, stream: torch.cuda.Stream
 ) -> Graph:
     """A CUDA graph of one prefill chunk of `length` tokens reading `io` (see _run_prompt)."""
     io[0] = 0
@@ -531,7 +561,7 @@ def _capture_prefill(
 
 
 @torch.inference_mode()
-def _capture(run: Callable[[], torch.Tensor], pool: tuple[int, int], stream: torch.cuda.Stream) -> Graph:
+def _capture(run: Callable[[], torch.Tensor], pool: _POOL_HANDLE, stream: torch.cuda.Stream) -> Graph:
     """Warm `run` up on `stream`, then capture it there; the graph and its output."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
