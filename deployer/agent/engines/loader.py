@@ -203,9 +203,9 @@ def build_model(
     args = args_from_config(config, where / "config.json")
     dev = torch.device(device)
     if dev.type == "cuda":
-        # On Hopper torch gives cuBLAS 32 MiB of workspace per stream, a fifth of SmolLM2 int4's
-        # whole footprint; decode matmuls are skinny, so the pre-Hopper default serves. Read at
-        # cuBLAS's first use in the process, and an operator's own setting wins.
+        # On Hopper torch gives cuBLAS 32 MiB of workspace per stream, 15% of SmolLM2 int4's
+        # weights and KV cache; decode matmuls are skinny, so the pre-Hopper default serves. Read
+        # at cuBLAS's first use in the process, and an operator's own setting wins.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     compute = choose_dtype(dtype, facts, weights, dev)
     with torch.device("meta"):
