@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.engine_gpu import SCHEMES, SHAPES, gpu_table, gpu_worker  # noqa: E402 (after the path)
+from bench.engine_gpu import DEFAULT_SCHEMES, SCHEMES, SHAPES, gpu_table, gpu_worker  # noqa: E402 (after the path)
 
 PROMPT = "Write a long story about a robot who learns to paint. Use many details."
 NEW_TOKENS = 64
@@ -278,7 +278,7 @@ def run_gpu(shapes: list[str], schemes: list[str], repeats: int, device: str) ->
             cmd = [sys.executable, __file__, "--gpu-worker", shape, scheme, "--repeats", str(repeats)]
             cmd += ["--device", device]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            sys.stderr.write(done.stderr[-3000:])
+            sys.stderr.write(done.stderr[-6000:])
             if done.returncode != 0:
                 tail = done.stderr.strip().splitlines()[-3:]
                 errors.append((f"{shape} {scheme}", " | ".join(tail) or f"exit {done.returncode}"))
@@ -304,7 +304,9 @@ def main() -> None:
     parser.add_argument(
         "--shapes", nargs="*", default=None, choices=list(SHAPES), help="GPU rows (all but tiny)"
     )
-    parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES), help="GPU rows")
+    parser.add_argument(
+        "--schemes", nargs="*", default=list(DEFAULT_SCHEMES), choices=list(SCHEMES), help="GPU rows"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--gpu-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()

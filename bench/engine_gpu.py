@@ -8,9 +8,13 @@ what an artifact would hold. Each row measures, best of `repeats`:
 * first token: prefill of a 32-token prompt plus the first sampled token on the host;
 * batch 1: decode tokens/s over `NEW_TOKENS` greedy tokens, step by step through `step([0])`;
 * batch 16: aggregate tokens/s of 16 slots stepped together;
-* peak GPU memory while serving, against the weights plus the KV cache;
-* exactness: how many of the greedy tokens equal the eager engine's (no compile, no graphs),
-  and whether slot 0 of the batch of 16 gave the same tokens as alone.
+* peak GPU memory while serving (after the engine is ready), against the weights plus the KV
+  cache; and the peak while it compiles, tunes and captures;
+* exactness: how many of the greedy tokens equal the eager engine's (no compile, no graphs), and
+  whether slot 0 of the batch of 16 gave the same tokens as alone. Random weights make nearly
+  flat logits, where a different summation order flips near-ties, so each row also reports the
+  worst gap, teacher-forced on our tokens, between the eager engine's best logit and its logit
+  for the token we chose (0 where they agree; a wrong cache or mask shows as gaps near 1).
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ SHAPES["tiny"] = SHAPES["SmolLM2-135M"] | {
     "num_hidden_layers": 2,
 }
 SHAPES["tiny"] |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
-SCHEMES = ("bf16", "int4-g32", "int8")
+SCHEMES = ("bf16", "int4-g32", "int8", "fp32")
+# fp32 is for exactness (no bf16 rounding to flip near-ties), not speed: run it by name.
+DEFAULT_SCHEMES = SCHEMES[:3]
 
 
 def random_checkpoint(config: dict, scheme: str, device: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -99,12 +105,13 @@ def random_checkpoint(config: dict, scheme: str, device: str) -> tuple[dict[str,
         gen = torch.Generator(device=device).manual_seed(seed)
         return torch.randn(shape, generator=gen, device=device) * 0.02
 
-    tensors["model.embed_tokens.weight"] = randn(c["vocab_size"], dim).bfloat16()
-    tensors["model.norm.weight"] = (1 + randn(dim)).bfloat16()
+    dtype = torch.float32 if scheme == "fp32" else torch.bfloat16
+    tensors["model.embed_tokens.weight"] = randn(c["vocab_size"], dim).to(dtype)
+    tensors["model.norm.weight"] = (1 + randn(dim)).to(dtype)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors[p + "input_layernorm.weight"] = (1 + randn(dim)).bfloat16()
-        tensors[p + "post_attention_layernorm.weight"] = (1 + randn(dim)).bfloat16()
+        tensors[p + "input_layernorm.weight"] = (1 + randn(dim)).to(dtype)
+        tensors[p + "post_attention_layernorm.weight"] = (1 + randn(dim)).to(dtype)
         for name, (n_out, n_in) in linears.items():
             w = randn(n_out, n_in)
             if c["model_type"] == "qwen2" and name in (
@@ -112,9 +119,9 @@ def random_checkpoint(config: dict, scheme: str, device: str) -> tuple[dict[str,
                 "self_attn.k_proj",
                 "self_attn.v_proj",
             ):
-                tensors[p + name + ".bias"] = randn(n_out).bfloat16()
-            if scheme == "bf16":
-                tensors[p + name + ".weight"] = w.bfloat16()
+                tensors[p + name + ".bias"] = randn(n_out).to(dtype)
+            if scheme in ("bf16", "fp32"):
+                tensors[p + name + ".weight"] = w.to(dtype)
             elif scheme == "int8":
                 q, scale = quantize_int8(w)
                 tensors[p + name + ".weight"], tensors[p + name + ".weight_scale"] = q, scale
@@ -130,6 +137,24 @@ def random_checkpoint(config: dict, scheme: str, device: str) -> tuple[dict[str,
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _reset_peak() -> int:
+    """The peak GPU memory allocated since the last call (0 on a CPU), and start anew."""
+    if not torch.cuda.is_available():
+        return 0
+    _sync()
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+def _worst_gap(eager: TorchEngine, prompt: list[int], tokens: list[int]) -> float:
+    """Teacher-forced on `tokens`: the largest gap between the eager engine's best logit and its
+    logit for the token in `tokens` (0 when every token is the eager argmax)."""
+    logits = eager.logits(prompt + tokens)[len(prompt) - 1 : -1]
+    chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+    return float((logits.max(dim=-1).values - chosen).max())
 
 
 def _timed(fn: Callable[..., object], *args: object) -> float:
@@ -162,13 +187,13 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
     from deployer.agent.engines.loader import ArtifactFacts, MemoryWeights, build_model
 
     config = SHAPES[shape]
-    cuda = device == "cuda"
     tensors, modules = random_checkpoint(config, scheme, device)
     facts = ArtifactFacts(shape, "random", scheme, modules)
     where = Path(shape)
     weights = MemoryWeights(tensors)
+    compute = "fp32" if scheme == "fp32" else "bf16"
     loaded = build_model(
-        config, weights, facts, where, device=device, dtype="bf16", max_context=MAX_LEN, slots=BATCH
+        config, weights, facts, where, device=device, dtype=compute, max_context=MAX_LEN, slots=BATCH
     )
     del tensors, weights
     _sync()
@@ -176,9 +201,6 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
     kv_bytes = sum(c.k.nbytes + c.v.nbytes for c in caches)
     state = {t.data_ptr(): t.nbytes for t in (*loaded.model.parameters(), *loaded.model.buffers())}
     weight_bytes = sum(state.values()) - kv_bytes
-    if cuda:
-        torch.cuda.empty_cache()
-        weight_bytes = torch.cuda.memory_allocated() - kv_bytes
     # Bytes a decode step must read: every weight but the embedding (one row of it is read).
     embed = loaded.model.model.embed_tokens.weight
     tied = (
@@ -187,8 +209,6 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
         else False
     )
     step_bytes = weight_bytes - (0 if tied else embed.nbytes)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
 
     gen = torch.Generator().manual_seed(1234)
     vocab = config["vocab_size"]
@@ -198,12 +218,13 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
     eager = TorchEngine(device=device, slots=BATCH, max_context=MAX_LEN, compile="off", cuda_graphs=False)
     eager.attach(loaded)
     eager_tokens = _greedy_run(eager, [0], prompts[:1], greedy)[0]
-    del eager
 
+    _reset_peak()
     started = time.perf_counter()
     engine = TorchEngine(device=device, slots=BATCH, max_context=MAX_LEN, graph_buckets=(1, BATCH))
     engine.attach(loaded)
     prepare_s = time.perf_counter() - started
+    load_peak = _reset_peak()
     info = engine.describe()
     first_ms, tps1, tps16 = float("inf"), 0.0, 0.0
     everyone = list(range(BATCH))
@@ -219,11 +240,15 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
             engine.prefill(s, prompts[s], greedy)
         tps16 = max(tps16, BATCH * (NEW_TOKENS - 1) / _timed(_steps, engine, everyone, NEW_TOKENS - 1))
     batched = _greedy_run(engine, list(range(BATCH)), prompts, greedy)[0]
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    peak = _reset_peak()
     del engine
 
+    started = time.perf_counter()
     ref1 = gptfast_ref.run(loaded, torch.tensor(prompts[:1], device=device), NEW_TOKENS, MAX_LEN, repeats)
     ref16 = gptfast_ref.run(loaded, torch.tensor(prompts, device=device), NEW_TOKENS, MAX_LEN, repeats)
+    ref_s = time.perf_counter() - started
+    # Last: the teacher-forced runs overwrite slot 0's cache.
+    gap, batched_gap = _worst_gap(eager, prompts[0], ours), _worst_gap(eager, prompts[0], batched)
     return {
         "shape": shape,
         "scheme": scheme,
@@ -231,6 +256,8 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
         "decode": info.extra["decode"],
         "compile": info.extra["compile"],
         "prepare_s": prepare_s,
+        "ref_s": ref_s,
+        "prefill": info.extra["prefill"],
         "first_ms": first_ms,
         "tps1": tps1,
         "tps16": tps16,
@@ -239,10 +266,13 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
         "ref_tps16": ref16.decode_tps,
         "limit_tps": BANDWIDTH / step_bytes,
         "peak_mb": peak / 2**20,
+        "load_peak_mb": load_peak / 2**20,
         "budget_mb": (weight_bytes + kv_bytes) * 1.2 / 2**20,
         "weights_mb": weight_bytes / 2**20,
         "kv_mb": kv_bytes / 2**20,
         "same_as_eager": common_prefix(ours, eager_tokens),
+        "gap": gap,
+        "batched_gap": batched_gap,
         "same_as_ref": common_prefix(ours, ref1.tokens),
         "batched_same": common_prefix(batched, ours),
     }
@@ -271,9 +301,12 @@ def gpu_table(rows: list[dict], errors: list[tuple[str, str]]) -> object:
         "limit tok/s",
         "peak MB",
         "W+KV+20%",
+        "load peak",
         "=eager",
+        "gap",
         "=ref",
         "batch=alone",
+        "gap b16",
         "prepare s",
     )
     for c in columns:
@@ -294,9 +327,12 @@ def gpu_table(rows: list[dict], errors: list[tuple[str, str]]) -> object:
             f"{r['limit_tps']:.0f}",
             f"{r['peak_mb']:.0f}",
             f"{r['budget_mb']:.0f}",
+            f"{r['load_peak_mb']:.0f}",
             f"{r['same_as_eager']}/{NEW_TOKENS}",
+            f"{r['gap']:.3f}",
             f"{r['same_as_ref']}/{NEW_TOKENS}",
             f"{r['batched_same']}/{NEW_TOKENS}",
+            f"{r['batched_gap']:.3f}",
             f"{r['prepare_s']:.0f}",
         )
     for label, error in errors:

@@ -127,6 +127,6 @@ def test_compile_that_fails_falls_back_to_eager_with_the_reason(varied_model_dir
     engine = engine_on(varied_model_dir, compile="on")
     extra = engine.describe().extra
     assert extra["compile"] == "off (compile failed: RuntimeError: no C++ compiler found)"
-    assert extra["decode"] == "eager (CUDA graphs are for CUDA devices)"
+    assert extra["decode"] == extra["prefill"] == "eager (CUDA graphs are for CUDA devices)"
     prompt = engine.encode(PROMPTS[0])
     assert run(engine, 0, prompt, GREEDY, 8) == run(engine_on(varied_model_dir), 0, prompt, GREEDY, 8)

@@ -75,6 +75,31 @@ def test_kv_cache_decode_equals_full_recompute(tiny_engine):
     torch.testing.assert_close(torch.stack(stepwise), full[split - 1 :], atol=1e-5, rtol=0)
 
 
+def test_fixed_shape_prefill_equals_eager_prefill(tiny_engine):
+    # What a CUDA prefill graph runs: a padded chunk, the slot and positions as tensors.
+    ids = tiny_engine.encode(PROMPT)
+    full = tiny_engine.logits(ids)
+    model, split, length = tiny_engine._require().model, 4, 32
+    chunk = ids[split:]
+    assert len(chunk) < length
+    pad = length - len(chunk)
+    with torch.inference_mode():
+        model.prefill(torch.tensor([ids[:split]]), 2, 0)
+        got = model.prefill_fixed(
+            torch.tensor([chunk + [0] * pad]),
+            torch.tensor([2]),
+            torch.tensor(list(range(split, len(ids))) + [model.scratch_position] * pad),
+            torch.tensor([len(chunk) - 1]),
+        )[0]
+        # the cache holds the chunk: the next position decodes as after a full prefill
+        after = model.decode(
+            torch.tensor([0, 0, ids[-1]]), torch.tensor([model.scratch_position] * 2 + [len(ids)])
+        )
+    torch.testing.assert_close(got, full[-1], atol=1e-5, rtol=0)
+    want = tiny_engine.logits([*ids, ids[-1]])[-1]
+    torch.testing.assert_close(after[2], want, atol=1e-5, rtol=0)
+
+
 def _copy_with_config(src: Path, dest: Path, **changes: object) -> Path:
     shutil.copytree(src, dest)
     config = json.loads((dest / "config.json").read_text())

@@ -111,7 +111,7 @@ def _refuse_rope_scaling(config: dict[str, Any], where: Path) -> None:
     unknown = kinds - {None, "default"}
     if unknown:
         raise AgentError(
-            f"{where}: rope scaling {sorted(unknown)} is not supported by the torch engine",
+            f"{where}: rope scaling {sorted(map(str, unknown))} is not supported by the torch engine",
             hint="use a checkpoint without rope_scaling, or the llama.cpp engine",
         )
 
@@ -141,6 +141,9 @@ class RMSNorm(nn.Module):
 class KVCache(nn.Module):
     """Preallocated keys and values: `slots` sequences of `max_len` positions, plus one scratch
     position (index `max_len`) where rows that take no part in a decode step write harmlessly."""
+
+    k: torch.Tensor
+    v: torch.Tensor
 
     def __init__(self, slots: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -194,20 +197,38 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
-        slot: int,
-        start: int,
+        slot: int | torch.Tensor,
+        at: int | torch.Tensor,
     ) -> torch.Tensor:
-        """Attend the T new positions (start..start+T) of `slot` to its cached positions up to them."""
+        """T new positions of one slot, attending its cached positions up to them.
+
+        With ints (eager), positions at..at+T of `slot`, attending keys 0..at+T. With tensors
+        (`slot` [1], `at` the positions [T]), every shape is fixed, for a CUDA graph: keys are
+        written by position (padding at the scratch position) and the slot's whole cache is
+        attended under `mask`.
+        """
         _, t, _ = x.shape
         q, k, v = self._qkv(x)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        end = start + t
-        cache = self.kv_cache
-        cache.k[slot : slot + 1, :, start:end] = k
-        cache.v[slot : slot + 1, :, start:end] = v
-        keys, values = cache.k[slot : slot + 1, :, :end], cache.v[slot : slot + 1, :, :end]
+        cache = self._cache()
+        if isinstance(slot, int) and isinstance(at, int):
+            end = at + t
+            cache.k[slot : slot + 1, :, at:end] = k
+            cache.v[slot : slot + 1, :, at:end] = v
+            keys, values = cache.k[slot : slot + 1, :, :end], cache.v[slot : slot + 1, :, :end]
+        elif isinstance(slot, torch.Tensor) and isinstance(at, torch.Tensor):
+            cache.k[slot, :, at] = k[0].transpose(0, 1)
+            cache.v[slot, :, at] = v[0].transpose(0, 1)
+            keys, values = cache.k.index_select(0, slot), cache.v.index_select(0, slot)
+        else:
+            raise TypeError("slot and at are both ints or both tensors")
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
+
+    def _cache(self) -> KVCache:
+        if self.kv_cache is None:
+            raise AgentError("the KV cache is not set up", hint="call Transformer.setup_caches first")
+        return self.kv_cache
 
     def decode(
         self,
@@ -228,7 +249,7 @@ class Attention(nn.Module):
         b = x.shape[0]
         q, k, v = self._qkv(x)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        cache = self.kv_cache
+        cache = self._cache()
         cache.k[rows, :, pos] = k[:, :, 0]
         cache.v[rows, :, pos] = v[:, :, 0]
         keys, values = cache.k[:b], cache.v[:b]
@@ -297,11 +318,11 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
-        slot: int,
-        start: int,
+        slot: int | torch.Tensor,
+        at: int | torch.Tensor,
     ) -> torch.Tensor:
-        """This block over a prompt chunk of one slot."""
-        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, slot, start)
+        """This block over a prompt chunk of one slot (see Attention.prefill)."""
+        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, slot, at)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -323,11 +344,17 @@ class Transformer(nn.Module):
     on the device from a positions tensor, so it has the same shapes at every step.
     """
 
+    # Buffers made by setup_caches.
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    key_positions: torch.Tensor
+    rows: torch.Tensor
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.model = DecoderStack(args)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_len = 0
         self.slots = 0
 
@@ -335,7 +362,7 @@ class Transformer(nn.Module):
         """Allocate the KV caches (`slots` x `max_len` positions) and the rotary tables."""
         self.max_len, self.slots = max_len, slots
         a = self.args
-        for layer in self.model.layers:
+        for layer in self._layers():
             cache = KVCache(slots, a.n_kv_heads, max_len, a.head_dim, dtype).to(device)
             layer.self_attn.kv_cache = cache
         cos, sin = rope_tables(a.head_dim, a.rope_theta, max_len + 1, device)
@@ -365,16 +392,38 @@ class Transformer(nn.Module):
         window = self.args.sliding_window
         mask = None
         if t > 1 or (window and start + t > window):
-            q_pos = torch.arange(start, start + t, device=tokens.device)[:, None]
-            mask = self.key_positions[None, : start + t] <= q_pos
-            if window:
-                mask &= q_pos - self.key_positions[None, : start + t] < window
+            q_pos = torch.arange(start, start + t, device=tokens.device)
+            mask = self._visible(q_pos, self.key_positions[: start + t])
         x = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
+        for layer in self._layers():
             x = layer.prefill(x, cos, sin, mask, slot, start)
         if not all_logits:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))
+
+    def prefill_fixed(
+        self, tokens: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, last: torch.Tensor
+    ) -> torch.Tensor:
+        """`prefill` with fixed shapes and no host values, for a CUDA graph: tokens [1, T] of
+        slot [1] at positions pos [T] (padding at `scratch_position`), attending the slot's whole
+        cache; logits [1, V] of the token at index last [1]."""
+        mask = self._visible(pos, self.key_positions)
+        x = self.model.embed_tokens(tokens)
+        for layer in self._layers():
+            x = layer.prefill(x, self.rope_cos[pos], self.rope_sin[pos], mask, slot, pos)
+        return self.lm_head(self.model.norm(x.index_select(1, last)))[:, 0]
+
+    def _visible(self, q_pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """[Q, K]: True where the query at q_pos [Q] sees the key at keys [K] (not after it, and
+        inside the sliding window)."""
+        visible = keys[None, :] <= q_pos[:, None]
+        window = self.args.sliding_window
+        if window:
+            visible &= q_pos[:, None] - keys[None, :] < window
+        return visible
+
+    def _layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
 
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         """Advance cache rows 0..B-1: tokens [B] at positions pos [B]; logits [B, V].
@@ -389,21 +438,15 @@ class Transformer(nn.Module):
         sin = self.rope_sin[pos][:, None, None, :]
         window = self.args.sliding_window
         keys = self.key_positions if kv_len is None else self.key_positions[:kv_len]
+        mask: torch.Tensor | None
         if kv_len is None:
-            # masked_fill wants True where a key is hidden: keys after the query (or out of window).
-            mask = keys[None, :] > pos[:, None]
-            if window:
-                mask |= pos[:, None] - keys[None, :] >= window
-            mask = mask[:, None, None, :]
+            mask = ~self._visible(pos, keys)[:, None, None, :]  # masked_fill hides where True
         elif b == 1 and not (window and kv_len > window):
             mask = None  # one row sees every key up to its own position
         else:
-            visible = keys[None, :] <= pos[:, None]
-            if window:
-                visible &= pos[:, None] - keys[None, :] < window
-            mask = visible[:, None, None, :]
+            mask = self._visible(pos, keys)[:, None, None, :]
         x = self.model.embed_tokens(tokens[:, None])
-        for layer in self.model.layers:
+        for layer in self._layers():
             x = layer(x, cos, sin, mask, rows, pos, kv_len)
         return self.lm_head(self.model.norm(x))[:, 0]
 

@@ -10,6 +10,7 @@ which records the kernel each layer runs.
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant
 from deployer.core.safetensors_io import TensorEntry, read_header
 from deployer.errors import AgentError, FormatError
 
+# torch's cuBLAS workspace before Hopper: 2 x 4 MiB + 8 x 16 KiB per stream.
+CUBLAS_WORKSPACE = ":4096:2:16:8"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -199,6 +202,11 @@ def build_model(
     the source in errors."""
     args = args_from_config(config, where / "config.json")
     dev = torch.device(device)
+    if dev.type == "cuda":
+        # On Hopper torch gives cuBLAS 32 MiB of workspace per stream, 15% of SmolLM2 int4's
+        # weights and KV cache; decode matmuls are skinny, so the pre-Hopper default serves. Read
+        # at cuBLAS's first use in the process, and an operator's own setting wins.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     compute = choose_dtype(dtype, facts, weights, dev)
     with torch.device("meta"):
         model = Transformer(args)
@@ -310,12 +318,14 @@ def _concat(
         bias = torch.cat(
             [b if b is not None else torch.zeros(w.weight.shape[0]) for b, w in zip(biases, ws, strict=True)]
         )
-    scale = torch.cat([w.scale for w in ws]) if ws[0].scale is not None else None
-    zero = torch.cat([w.zero for w in ws]) if ws[0].zero is not None else None
+    scales = [w.scale for w in ws if w.scale is not None]
+    zeros = [w.zero for w in ws if w.zero is not None]
+    scale = torch.cat(scales) if scales else None
+    zero = torch.cat(zeros) if zeros else None
     joined = LinearWeights(torch.cat([w.weight for w in ws]), bias, scale, zero)
     if first is None:
         return joined, None
-    out = sum(x.out_features for x in layouts)
+    out = sum(x.out_features for x in layouts if x is not None)
     return joined, ModuleQuant(first.scheme, first.group_size, first.in_features, first.in_padded, out)
 
 

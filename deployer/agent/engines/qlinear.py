@@ -49,6 +49,13 @@ class LinearWeights:
     zero: torch.Tensor | None = None
 
 
+def _need(t: torch.Tensor | None, what: str) -> torch.Tensor:
+    """A tensor a quantized layout must have (check_shapes has made sure; mypy cannot tell)."""
+    if t is None:
+        raise FormatError(f"a quantized layer has no {what}", hint="the artifact is incomplete; rebuild it")
+    return t
+
+
 def dequantize(name: str, w: LinearWeights, layout: ModuleQuant | None) -> torch.Tensor:
     """The fp32 weight [out, in] that the stored tensors stand for (artifact-format.md)."""
     if layout is not None:
@@ -56,8 +63,9 @@ def dequantize(name: str, w: LinearWeights, layout: ModuleQuant | None) -> torch
     if layout is None or layout.scheme not in INTEGER_SCHEMES:
         return w.weight.float()
     if layout.scheme == "int8":
-        return dequantize_int8(w.weight, w.scale)
-    return dequantize_int4(w.weight, w.scale, w.zero, layout.in_features)
+        return dequantize_int8(w.weight, _need(w.scale, "weight_scale"))
+    scale, zero = _need(w.scale, "weight_scale"), _need(w.zero, "weight_zero")
+    return dequantize_int4(w.weight, scale, zero, layout.in_features)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -135,11 +143,14 @@ class _PackedLinear(nn.Module):
 class Int8PackLinear(_PackedLinear):
     """int8 weights [out, in] used as stored; `aten._weight_int8pack_mm` (CPU and CUDA)."""
 
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, w: LinearWeights, act_dtype: torch.dtype, device: torch.device):
         n_in = w.weight.shape[1]
         super().__init__(n_in, n_in, act_dtype, _maybe(w.bias, device, act_dtype))
         self.register_buffer("qweight", _aligned(w.weight.to(device)))
-        self.register_buffer("scales", w.scale.to(device, act_dtype))
+        self.register_buffer("scales", _need(w.scale, "weight_scale").to(device, act_dtype))
 
     def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2d, self.qweight, self.scales)
@@ -148,6 +159,9 @@ class Int8PackLinear(_PackedLinear):
 class Int8TritonLinear(_PackedLinear):
     """int8 weights [out, in] used as stored; the Triton kernel of `triton_int8` (CUDA)."""
 
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, w: LinearWeights, act_dtype: torch.dtype, device: torch.device):
         from deployer.agent.engines.triton_int8 import int8_weight_matmul
 
@@ -155,7 +169,7 @@ class Int8TritonLinear(_PackedLinear):
         super().__init__(n_in, n_in, act_dtype, _maybe(w.bias, device, act_dtype))
         self._matmul = int8_weight_matmul
         self.register_buffer("qweight", w.weight.to(device).contiguous())
-        self.register_buffer("scales", w.scale.to(device, act_dtype))
+        self.register_buffer("scales", _need(w.scale, "weight_scale").to(device, act_dtype))
 
     def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
         return self._matmul(x2d, self.qweight, self.scales)
@@ -172,8 +186,8 @@ class Int4PackLinear(_PackedLinear):
         super().__init__(layout.in_features, layout.in_padded, act_dtype, _maybe(w.bias, device, act_dtype))
         self.group_size = layout.group_size
         self.on_cuda = device.type == "cuda"
-        scale = w.scale.float()
-        shift = (8.0 - w.zero.float()) * scale
+        scale = _need(w.scale, "weight_scale").float()
+        shift = (8.0 - _need(w.zero, "weight_zero").float()) * scale
         sz = torch.stack((scale.t(), shift.t()), dim=-1).contiguous()
         self.register_buffer("scales_and_zeros", sz.to(device, act_dtype))
         if self.on_cuda:

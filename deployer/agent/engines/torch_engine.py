@@ -13,10 +13,12 @@ from __future__ import annotations
 import gc
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -36,6 +38,9 @@ from deployer.agent.engines.sampling import Sampler, choose, new_generator
 from deployer.agent.engines.textstream import token_events
 from deployer.errors import AgentError
 
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
 DEFAULT_MAX_CONTEXT = 2048
 WARMUP_MESSAGES = (ChatMessage("user", "Hello"),)
 WARMUP_TOKENS = 4
@@ -43,6 +48,10 @@ WARMUP_TOKENS = 4
 # its highest slot.
 GRAPH_BUCKETS = (1, 2, 4, 8, 16)
 DEFAULT_SLOTS = {"cuda": 16, "cpu": 4}
+# Prompt chunk lengths a prefill is captured for on CUDA (those up to the cache length): a chunk
+# runs in the smallest that holds it, padded; a longer prompt runs in chunks of the largest.
+# Eager, a 32-token prefill launches about 1,200 kernels and took 18-29 ms on the H200's host.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 # Eager runs before a capture: the first compiles (when compiled), the others settle allocations.
 CAPTURE_WARMUP_RUNS = 3
 
@@ -57,14 +66,44 @@ class _Slot:
     sampler: Sampler | None = None
 
 
+Graph = tuple[torch.cuda.CUDAGraph, torch.Tensor]  # a captured graph and its logits
+
+
 @dataclass
 class _Decode:
-    """How decode steps run, and why (shown by describe())."""
+    """How prefill and decode steps run, and why (shown by describe())."""
 
     compiled: bool = False
     compile_note: str = "off"
-    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
+    graphs: dict[int, Graph] = field(default_factory=dict)  # decode, by batch bucket
     graph_note: str = "eager"
+    prefills: dict[int, Graph] = field(default_factory=dict)  # prefill, by chunk length
+    prefill_note: str = "eager"
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What the captured graphs read, and the pinned host buffers they are filled from: `step`
+    [2, slots] tokens and positions; `prefill` [3, chunk] tokens, positions, then the slot and
+    the index of the chunk's last token."""
+
+    step: torch.Tensor
+    step_host: torch.Tensor
+    prefill: torch.Tensor
+    prefill_host: torch.Tensor
+
+    @classmethod
+    def allocate(cls, slots: int, chunk: int, device: torch.device) -> _Inputs:
+        """Zeroed buffers on `device`, the host ones pinned when it is a GPU."""
+        pin = device.type == "cuda"
+
+        def pair(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (rows, cols)
+            return torch.zeros(shape, dtype=torch.long, device=device), torch.zeros(
+                shape, dtype=torch.long, pin_memory=pin
+            )
+
+        return cls(*pair(2, slots), *pair(3, chunk))
 
 
 class TorchEngine(Engine):
@@ -110,8 +149,7 @@ class TorchEngine(Engine):
         self._busy = threading.Lock()
         self._state: list[_Slot] = []
         self._decode = _Decode()
-        self._io: torch.Tensor | None = None  # [2, slots] tokens and positions the step reads
-        self._io_host: torch.Tensor | None = None
+        self._io: _Inputs | None = None
         self._reused = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -148,10 +186,13 @@ class TorchEngine(Engine):
             )
         self._loaded = loaded
         self._state = [_Slot() for _ in range(self._slots)]
-        self._io = torch.zeros((2, self._slots), dtype=torch.long, device=loaded.device)
-        pin = loaded.device.type == "cuda"
-        self._io_host = torch.zeros((2, self._slots), dtype=torch.long, pin_memory=pin)
-        self._decode = _prepare_decode(loaded, self._io, self._buckets, self._want_compile, self._want_graphs)
+        chunk = max([b for b in PREFILL_BUCKETS if b <= loaded.model.max_len], default=1)
+        self._io = _Inputs.allocate(self._slots, chunk, loaded.device)
+        self._decode = _prepare(
+            loaded, self._io.step, self._io.prefill, self._buckets, self._want_compile, self._want_graphs
+        )
+        if loaded.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand back what compiling and tuning left in the cache
 
     def warmup(self) -> None:
         """A short greedy generation, so kernels and allocations are ready for the first request."""
@@ -165,7 +206,7 @@ class TorchEngine(Engine):
         A generation still running keeps its own reference and frees the model when it ends.
         """
         self._loaded = self._codec = self._template = None
-        self._decode, self._io, self._io_host, self._state = _Decode(), None, None, []
+        self._decode, self._io, self._state = _Decode(), None, []
         gc.collect()
         if self._device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -180,7 +221,7 @@ class TorchEngine(Engine):
                 "this model has no chat template", hint="use /v1/completions with a plain prompt"
             )
         text = self._template.render(messages, add_generation_prompt=True)
-        return self._codec.encode(text, add_special_tokens=False)
+        return self._require_text().encode(text, add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids, with the tokenizer's own special tokens (e.g. BOS) if it adds any."""
@@ -212,13 +253,35 @@ class TorchEngine(Engine):
         prompt = list(prompt)
         # At least the last prompt token runs: its logits give the first new token.
         start = min(common_prefix(state.held, prompt), len(prompt) - 1)
-        ids = torch.tensor([prompt[start:]], dtype=torch.long, device=loaded.device)
-        logits = loaded.model.prefill(ids, slot, start)[0]
+        logits = self._run_prompt(loaded, slot, prompt, start)
         sampler = Sampler(params, new_generator(params.seed, loaded.device))
         token = choose(logits, [sampler])[0]
         self._reused += start
         state.held, state.last, state.sampler = prompt, token, sampler
         return token
+
+    def _run_prompt(self, loaded: LoadedModel, slot: int, prompt: list[int], start: int) -> torch.Tensor:
+        """Write prompt[start:] into `slot`'s cache; the logits [1, V] of its last token."""
+        graphs = self._decode.prefills
+        if not graphs:
+            ids = torch.tensor([prompt[start:]], dtype=torch.long, device=loaded.device)
+            return loaded.model.prefill(ids, slot, start)[0]
+        io, pinned = self._inputs().prefill, self._inputs().prefill_host
+        host, largest = pinned.numpy(), io.shape[1]
+        while True:
+            n = min(largest, len(prompt) - start)
+            host[0, :] = 0
+            host[0, :n] = prompt[start : start + n]
+            host[1, :] = loaded.model.scratch_position
+            host[1, :n] = np.arange(start, start + n)
+            host[2, :2] = slot, n - 1
+            io.copy_(pinned, non_blocking=True)
+            graph, logits = graphs[next(b for b in sorted(graphs) if b >= n)]
+            graph.replay()
+            start += n
+            if start == len(prompt):
+                return logits
+            torch.cuda.current_stream().synchronize()  # the copy is done before the next writes
 
     @torch.inference_mode()
     def step(self, slots: Sequence[int]) -> list[int]:
@@ -231,9 +294,11 @@ class TorchEngine(Engine):
         states = [self._slot(s) for s in slots]
         if not slots or len(set(slots)) != len(slots):
             raise AgentError(f"step needs distinct slots, got {list(slots)}")
+        lasts = []
         for s, state in zip(slots, states, strict=True):
             if state.last is None:
                 raise AgentError(f"slot {s} is not running", hint="prefill it first")
+            lasts.append(state.last)
             if len(state.held) >= loaded.model.max_len:
                 raise AgentError(
                     f"slot {s} has filled its {loaded.model.max_len} cache positions",
@@ -241,12 +306,16 @@ class TorchEngine(Engine):
                 )
         rows = max(slots) + 1
         bucket = next((b for b in self._buckets if b >= rows), rows) if self._decode.graphs else rows
-        host = self._io_host
+        # Written through numpy (a torch element write costs microseconds of dispatch) into pinned
+        # memory, then one copy: the previous step's copy is done, its tokens were read back.
+        inputs = self._inputs()
+        host = inputs.step_host.numpy()
         host[0, :bucket] = 0
         host[1, :bucket] = loaded.model.scratch_position
-        for s, state in zip(slots, states, strict=True):
-            host[0, s], host[1, s] = state.last, len(state.held)
-        self._io[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
+        for s, state, last in zip(slots, states, lasts, strict=True):
+            host[0, s], host[1, s] = last, len(state.held)
+        io = inputs.step
+        io.copy_(inputs.step_host, non_blocking=True)
         graph = self._decode.graphs.get(bucket)
         if graph is not None:
             graph[0].replay()
@@ -255,11 +324,11 @@ class TorchEngine(Engine):
             # Eager layers attend only the positions in use; compiled ones keep the fixed shapes,
             # or every new length would compile again.
             kv_len = None if self._decode.compiled else max(len(state.held) for state in states) + 1
-            logits = loaded.model.decode(self._io[0, :bucket], self._io[1, :bucket], kv_len)
+            logits = loaded.model.decode(io[0, :bucket], io[1, :bucket], kv_len)
         tokens = choose(logits[: max(slots) + 1], _samplers_for(states, slots))
         out = []
-        for s, state in zip(slots, states, strict=True):
-            state.held.append(state.last)
+        for s, state, last in zip(slots, states, lasts, strict=True):
+            state.held.append(last)
             state.last = tokens[s]
             out.append(tokens[s])
         return out
@@ -343,6 +412,7 @@ class TorchEngine(Engine):
                 "architecture": loaded.args.architecture,
                 "slots": str(self._slots),
                 "decode": self._decode.graph_note,
+                "prefill": self._decode.prefill_note,
                 "compile": self._decode.compile_note,
                 "prefix_tokens_reused": str(self._reused),
             },
@@ -352,6 +422,12 @@ class TorchEngine(Engine):
         if self._loaded is None:
             raise AgentError("no model is loaded in this engine", hint="call load() first")
         return self._loaded
+
+    def _inputs(self) -> _Inputs:
+        self._require()
+        if self._io is None:
+            raise AgentError("the engine has no model attached", hint="call load() first")
+        return self._io
 
     def _require_text(self) -> TextCodec:
         self._require()
@@ -367,7 +443,7 @@ def _samplers_for(states: Sequence[_Slot], slots: Sequence[int]) -> list[Sampler
     """A sampler per cache row 0..max(slots); rows outside the step take the (free) argmax."""
     rows = [_GREEDY] * (max(slots) + 1)
     for s, state in zip(slots, states, strict=True):
-        rows[s] = state.sampler
+        rows[s] = state.sampler or _GREEDY
     return rows
 
 
@@ -381,37 +457,57 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _prepare_decode(
-    loaded: LoadedModel, io: torch.Tensor, buckets: Sequence[int], want_compile: bool, want_graphs: bool
+def _prepare(
+    loaded: LoadedModel,
+    io: torch.Tensor,
+    prefill_io: torch.Tensor,
+    buckets: Sequence[int],
+    want_compile: bool,
+    want_graphs: bool,
 ) -> _Decode:
-    """Compile the decode layer and capture the step per bucket where asked and possible; each
-    step that cannot falls back to eager, with the reason kept for describe()."""
+    """Compile the decode layer, capture the decode step per batch bucket and the prefill per
+    chunk length, where asked and possible; what cannot falls back to eager, with the reason
+    kept for describe()."""
     decode = _Decode()
     layers = loaded.model.model.layers
     if want_compile:
         decode.compiled, decode.compile_note = _compile_layers(loaded, io)
     if not want_graphs:
-        decode.graph_note = (
-            "eager (CUDA graphs are for CUDA devices)" if loaded.device.type != "cuda" else "eager (off)"
-        )
+        note = "eager (CUDA graphs are for CUDA devices)" if loaded.device.type != "cuda" else "eager (off)"
+        decode.graph_note = decode.prefill_note = note
         return decode
     pool = torch.cuda.graph_pool_handle()
-    scratch = loaded.model.scratch_position
+    # One stream for every warm-up and capture: cuBLAS keeps a workspace per stream.
+    stream = torch.cuda.Stream()
     try:
         for bucket in sorted(buckets, reverse=True):  # the largest first: the others fit in its pool
-            decode.graphs[bucket] = _capture(loaded, io, bucket, scratch, pool)
+            decode.graphs[bucket] = _capture_decode(loaded, io, bucket, pool, stream)
         decode.graph_note = f"cuda-graph buckets {','.join(map(str, sorted(decode.graphs)))}"
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
         # Out of memory (or a kernel that cannot be captured): eager steps still work.
         decode.graphs.clear()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        _settle()
         decode.graph_note = f"eager (capture failed: {_first_line(exc)})"
         error = _try_decode(loaded, io) if decode.compiled else None
         if error:
             _uncompile(layers)
             decode.compiled, decode.compile_note = False, f"off (failed after capture: {error})"
+    lengths = [b for b in PREFILL_BUCKETS if b <= prefill_io.shape[1]]
+    try:
+        for length in sorted(lengths, reverse=True):
+            decode.prefills[length] = _capture_prefill(loaded, prefill_io, length, pool, stream)
+        if decode.prefills:
+            decode.prefill_note = f"cuda-graph chunks {','.join(map(str, sorted(decode.prefills)))}"
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+        decode.prefills.clear()
+        _settle()
+        decode.prefill_note = f"eager (capture failed: {_first_line(exc)})"
     return decode
+
+
+def _settle() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def _compile_layers(loaded: LoadedModel, io: torch.Tensor) -> tuple[bool, str]:
@@ -443,24 +539,39 @@ def _try_decode(loaded: LoadedModel, io: torch.Tensor) -> str | None:
     return None
 
 
-@torch.inference_mode()
-def _capture(
-    loaded: LoadedModel, io: torch.Tensor, bucket: int, scratch: int, pool: object
-) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def _capture_decode(
+    loaded: LoadedModel, io: torch.Tensor, bucket: int, pool: _POOL_HANDLE, stream: torch.cuda.Stream
+) -> Graph:
     """A CUDA graph of one decode step over rows 0..bucket-1 reading `io`, and its logits."""
     io[0, :bucket] = 0
-    io[1, :bucket] = scratch  # warm-up and capture write only the scratch position
+    io[1, :bucket] = loaded.model.scratch_position  # warm-up and capture write only there
     tokens, positions = io[0, :bucket], io[1, :bucket]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    return _capture(lambda: loaded.model.decode(tokens, positions), pool, stream)
+
+
+def _capture_prefill(
+    loaded: LoadedModel, io: torch.Tensor, length: int, pool: _POOL_HANDLE, stream: torch.cuda.Stream
+) -> Graph:
+    """A CUDA graph of one prefill chunk of `length` tokens reading `io` (see _run_prompt)."""
+    io[0] = 0
+    io[1] = loaded.model.scratch_position  # warm-up and capture write only there
+    io[2] = 0
+    tokens, positions, slot, last = io[0:1, :length], io[1, :length], io[2, :1], io[2, 1:2]
+    return _capture(lambda: loaded.model.prefill_fixed(tokens, slot, positions, last), pool, stream)
+
+
+@torch.inference_mode()
+def _capture(run: Callable[[], torch.Tensor], pool: _POOL_HANDLE, stream: torch.cuda.Stream) -> Graph:
+    """Warm `run` up on `stream`, then capture it there; the graph and its output."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         for _ in range(CAPTURE_WARMUP_RUNS):
-            loaded.model.decode(tokens, positions)
-    torch.cuda.current_stream().wait_stream(side)
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        logits = loaded.model.decode(tokens, positions)
-    return graph, logits
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = run()
+    return graph, out
 
 
 def _first_line(exc: BaseException) -> str:
