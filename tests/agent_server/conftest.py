@@ -161,7 +161,7 @@ def model_name(tiny_model_dir: Path) -> str:
 @pytest.fixture
 def chat_body(model_name: str) -> Callable[..., dict]:
     """`chat_body(**extra)`: a minimal chat request for the tiny model with a few tokens of answer."""
-    return lambda **extra: _chat_body(model_name, **extra)
+    return lambda **extra: _chat_body(**{"model": model_name, **extra})
 
 
 def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -90,8 +90,10 @@ def test_smoke_answer_without_the_expected_text_refuses_the_swap(tiny_model_dir,
 
 
 def test_unload_first_gap_answers_503_then_serves_the_new_model(
-    start_agent, tiny_model_dir, tiny_model_dir_b, http, chat_body
+    start_agent, tiny_model_dir_b, model_name, tmp_path, http, chat_body
 ):
+    v2_dir = tmp_path / "v2" / model_name  # the next version of the same model
+    shutil.copytree(tiny_model_dir_b, v2_dir)
     gate = threading.Event()
     calls, results = [], []
 
@@ -102,7 +104,7 @@ def test_unload_first_gap_answers_503_then_serves_the_new_model(
         return make_engine("torch", context_length=256, threads=1)
 
     agent = start_agent(factory=gated_factory, swap_policy="unload-first")
-    swap = threading.Thread(target=lambda: results.append(agent.reload(tiny_model_dir_b, "v2")))
+    swap = threading.Thread(target=lambda: results.append(agent.reload(v2_dir, "v2")))
     swap.start()
     try:
         for _ in range(1200):

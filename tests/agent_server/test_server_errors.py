@@ -48,9 +48,8 @@ def test_oversized_prompt(agent, http, chat_body):
 def test_max_tokens_beyond_limits(agent, http, chat_body):
     status, error = _error(http(agent.port, "POST", "/v1/chat/completions", chat_body(max_tokens=10**6)))
     assert (status, error["param"]) == (400, "max_tokens")
-    status, error = _error(
-        http(agent.port, "POST", "/v1/completions", {**chat_body(), "messages": None, "prompt": "x"})
-    )
+    completion = {"model": chat_body()["model"], "prompt": "x", "max_tokens": 10**6}
+    status, error = _error(http(agent.port, "POST", "/v1/completions", completion))
     assert (status, error["param"]) == (400, "max_tokens")
 
 
