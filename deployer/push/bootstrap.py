@@ -39,6 +39,7 @@ import yaml
 from deployer import __version__
 from deployer.config.models import Config
 from deployer.errors import AgentError, SitsError, TransportError
+from deployer.push.api_keys import API_KEYS_FILE, key_file, read_keys
 from deployer.push.facts import (
     AGENT_CONFIG,
     KEYS_DIR,
@@ -108,6 +109,8 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
 def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[str, bytes]:
     """Device path -> content of every file the controller manages on this device."""
     files = {AGENT_CONFIG: agent_settings(config, site).encode()}
+    if config.agent.api_keys is not None:
+        files[API_KEYS_FILE] = key_file(read_keys(config))
     if config.signing:
         for key in config.signing.trusted_keys:
             path = config.resolve(key)

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deployer import __version__
 from deployer.config.models import Config, Device
 from deployer.errors import RefusedError, TransportError
+from deployer.push.api_keys import API_KEYS_FILE, controller_key
 from deployer.push.plan import DeviceFacts
 from deployer.transport import Transport, run_bounded
 
@@ -71,6 +72,7 @@ class DeviceSite:
     python: str  # the interpreter that runs the agent
     engine: str = "torch"  # agent.engine: which engine's packages the device gets
     system_torch: bool = False  # its profile's `torch: system`: the device brings its own torch
+    api_key: str | None = field(default=None, repr=False)  # sent with agent_request; never shown
 
     @classmethod
     def of(cls, config: Config, device: Device) -> DeviceSite:
@@ -88,6 +90,7 @@ class DeviceSite:
             python="",
             engine=config.agent.engine,
             system_torch=profile is not None and profile.torch == "system",
+            api_key=controller_key(config),
         )
         python = site.path(VENV_PYTHON) if device.python == DEFAULT_PYTHON else device.python
         return DeviceSite(**{**site.__dict__, "python": python})
@@ -108,7 +111,13 @@ class DeviceSite:
     def managed_files(self) -> tuple[str, ...]:
         """Device files whose hashes the facts report (the trusted keys are listed on the device)."""
         units = ("sits-agent.service", "sits-rollback.service", "sits-poll.service", "sits-poll.timer")
-        return (AGENT_CONFIG, PULL_CONFIG, PULL_ROOT, *(f"{UNIT_DIR}/{unit}" for unit in units))
+        return (
+            AGENT_CONFIG,
+            API_KEYS_FILE,
+            PULL_CONFIG,
+            PULL_ROOT,
+            *(f"{UNIT_DIR}/{unit}" for unit in units),
+        )
 
 
 @dataclass(frozen=True)
@@ -169,11 +178,13 @@ print(json.dumps(out))
 
 # argv: port method path body timeout (body "" for none); prints {"status", "body", "elapsed_ms"}.
 _HTTP = r"""
-import json, sys, time, urllib.request, urllib.error
+import json, os, sys, time, urllib.request, urllib.error
 port, method, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 data = sys.argv[4].encode() or None
+headers = {"Content-Type": "application/json"}
+if os.environ.get("SITS_API_KEY"): headers["Authorization"] = "Bearer " + os.environ["SITS_API_KEY"]
 req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data, method=method,
-                             headers={"Content-Type": "application/json"})
+                             headers=headers)
 t = time.monotonic()
 try:
     with urllib.request.urlopen(req, timeout=float(sys.argv[5])) as r:
@@ -186,10 +197,11 @@ print(json.dumps({"status": status, "body": body, "elapsed_ms": (time.monotonic(
 """
 
 
-def _interpreter(site: DeviceSite) -> str:
-    """Shell words choosing the agent's interpreter when it exists, else the bootstrap one."""
+def _interpreter(site: DeviceSite, env: str = "") -> str:
+    """Shell words choosing the agent's interpreter when it exists, else the bootstrap one
+    (run with the `env` assignments, if any)."""
     agent, fallback = shlex.quote(site.python), shlex.quote(site.bootstrap_python)
-    return f'P={agent}; command -v "$P" >/dev/null 2>&1 || P={fallback}; "$P"'
+    return f'P={agent}; command -v "$P" >/dev/null 2>&1 || P={fallback}; {env}"$P"'
 
 
 def gather_facts(site: DeviceSite, transport: Transport) -> DeviceFacts:
@@ -246,7 +258,9 @@ def agent_request(
     """
     payload = json.dumps(body) if body is not None else ""
     argv = shlex.join(["-c", _HTTP, str(site.port), method, path, payload, str(timeout)])
-    result = transport.run(f"{_interpreter(site)} {argv}", timeout=timeout + 15)
+    # The key rides in the environment of the one process that needs it, not in its argv.
+    env = f"SITS_API_KEY={shlex.quote(site.api_key)} " if site.api_key else ""
+    result = transport.run(f"{_interpreter(site, env)} {argv}", timeout=timeout + 15)
     result.check(f"{site.name}: HTTP {method} {path}")
     data = json.loads(result.stdout.strip().splitlines()[-1])
     return HttpReply(int(data["status"]), data["body"], float(data["elapsed_ms"]))
