@@ -134,7 +134,8 @@ class KeyFileError(SitsError):
 class HookError(SitsError):
     """A hook could not be started, exited non-zero, or ran past its timeout.
 
-    ``exit_code`` is None when it never ran, negative when a signal ended it; ``output`` holds
+    ``returncode`` is the hook's own status (``exit_code`` stays the CLI's, as for every SitsError):
+    None when it never ran, negative when a signal ended it; ``output`` holds
     the tail of what it printed; ``phase`` is pre-deploy, post-deploy, pre-rollback or post-rollback.
     """
 
@@ -144,14 +145,14 @@ class HookError(SitsError):
         *,
         phase: str,
         path: Path,
-        exit_code: int | None = None,
+        returncode: int | None = None,
         output: str = "",
         hint: str | None = None,
     ) -> None:
         super().__init__(message, hint=hint)
         self.phase = phase
         self.path = path
-        self.exit_code = exit_code
+        self.returncode = returncode
         self.output = output
 
 

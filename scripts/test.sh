@@ -5,5 +5,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh
 ruff check deployer tests bench
 ruff format --check deployer tests bench
+mypy
 actionlint
 python -m pytest "$@"

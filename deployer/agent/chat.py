@@ -78,7 +78,8 @@ def _select_template(value: object, where: Path) -> str | None:
 class GenerationTag(jinja2.ext.Extension):
     """Accept `{% generation %}...{% endgeneration %}` (HF's assistant-mask tag) as a no-op."""
 
-    tags = frozenset({"generation"})
+    # jinja2 annotates tags as set[str], but only iterates it; a frozenset keeps the class immutable.
+    tags = frozenset({"generation"})  # type: ignore[assignment]
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         """Parse the block body and render it unchanged."""

@@ -80,7 +80,7 @@ class WeightsWriter:
             raise BuildError(f"internal: unexpected or repeated tensor {name!r} for {self.path}")
         if tensor.dtype != TORCH_DTYPES[spec.dtype] or tuple(tensor.shape) != spec.shape:
             raise BuildError(f"internal: {name} is {tensor.dtype}{list(tensor.shape)}, planned {spec}")
-        data = memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+        data = tensor.contiguous().view(torch.uint8).numpy().data.cast("B")
         self._file.seek(self._data_start + self._offsets[name])
         self._file.write(data)
         self.records[name] = TensorRecord(spec.dtype, spec.shape, sha256_bytes(data))

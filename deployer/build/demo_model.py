@@ -177,14 +177,16 @@ def make_tiny_checkpoint(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        # transformers 5 still takes rope_theta (through **kwargs) but its typed signature omits it.
+        rope_theta=10000.0,  # type: ignore[call-arg]
         tie_word_embeddings=True,
         bos_token_id=tok.token_to_id("<|im_start|>"),
         eos_token_id=eos,
         pad_token_id=tok.token_to_id("<|endoftext|>"),
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    # PreTrainedModel.to is @wraps(nn.Module.to), which types the bound method as the unbound one.
+    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     model.save_pretrained(dest, safe_serialization=True)
     return dest
 

@@ -164,12 +164,14 @@ def write_gguf(
         writer.write_ti_data_to_file()
         progress.start_tensors(len(plans), sum(t.entry.length for t in source.tensors))
         for tensor, weight in iter_tensors(source):
-            plan = by_source.get(tensor.name)
-            if plan is not None:
-                data = _quantize(plan, weight)
+            wanted = by_source.get(tensor.name)
+            if wanted is not None:
+                data = _quantize(wanted, weight)
                 writer.write_tensor_data(data)
-                records[plan.name] = GGUFTensorRecord(
-                    plan.ggml_type, tuple(reversed(plan.shape)), hashlib.sha256(data.tobytes()).hexdigest()
+                records[wanted.name] = GGUFTensorRecord(
+                    wanted.ggml_type,
+                    tuple(reversed(wanted.shape)),
+                    hashlib.sha256(data.tobytes()).hexdigest(),
                 )
             progress.tensor_done(tensor.name, tensor.entry.length)
     finally:
@@ -263,8 +265,8 @@ def _vocab(source: SourceModel, vocab: dict[str, int], added: Iterable[dict]) ->
     types = [int(gguf.TokenType.UNUSED)] * size
     entries = [(i, t, int(gguf.TokenType.NORMAL)) for t, i in vocab.items()]
     for a in added:
-        kind = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
-        entries.append((a["id"], a["content"], int(kind)))
+        token_type = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
+        entries.append((a["id"], a["content"], int(token_type)))
     for i, text, kind in entries:
         if not 0 <= i < size:
             raise SourceModelError(

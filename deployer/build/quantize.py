@@ -89,7 +89,7 @@ def plan_tensor(spec: QuantSpec, name: str, shape: tuple[int, ...]) -> TensorPla
     if scheme == "int4":
         in_padded = math.ceil(in_features / group_size) * group_size
         groups = in_padded // group_size
-        outputs = (
+        outputs: tuple[StoredTensor, ...] = (
             StoredTensor(name, "U8", (out_features, in_padded // 2)),
             StoredTensor(f"{name}_scale", "F16", (out_features, groups)),
             StoredTensor(f"{name}_zero", "U8", (out_features, groups)),
@@ -110,14 +110,16 @@ def plan_tensor(spec: QuantSpec, name: str, shape: tuple[int, ...]) -> TensorPla
 
 def quantize_tensor(plan: TensorPlan, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """Quantize one source tensor per its plan; returns the stored tensors in plan order."""
-    scheme = plan.quant.scheme if plan.quant else "fp32"
-    if scheme == "int8":
-        q, scale = quantize_int8(weight)
-        tensors = (q, scale)
-    elif scheme == "int4":
-        tensors = quantize_int4(weight, plan.quant.group_size)
+    quant = plan.quant
+    tensors: tuple[torch.Tensor, ...]
+    if quant is not None and quant.scheme == "int8":
+        tensors = quantize_int8(weight)
+    elif quant is not None and quant.scheme == "int4":
+        if quant.group_size is None:
+            raise BuildError(f"internal: the int4 plan for {plan.source} has no group size")
+        tensors = quantize_int4(weight, quant.group_size)
     else:
-        tensors = (weight.to(FLOAT_DTYPES[scheme][1]).contiguous(),)
+        tensors = (weight.to(FLOAT_DTYPES[quant.scheme if quant else "fp32"][1]).contiguous(),)
     result = {}
     for stored, tensor in zip(plan.outputs, tensors, strict=True):
         if tuple(tensor.shape) != stored.shape or tensor.dtype != TORCH_DTYPES[stored.dtype]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from deployer.config import fit
 from deployer.config.estimate import SMOLLM2_SHAPE, ModelShape, estimate_memory
-from deployer.config.findings import Finding
+from deployer.config.findings import FieldPath, Finding
 from deployer.config.keyfiles import KeyProblem, private_key_problem, public_key_problem
 from deployer.config.models import (
     AgentSettings,
@@ -274,7 +274,9 @@ def _strategy_findings(given: CheckInput) -> list[Finding]:
         )
         return findings
     size = len(targets)
-    too_many = [(("strategy", "batch_size"), strategy.batch_size, "batch_size")]
+    too_many: list[tuple[FieldPath, int | str | None, str]] = [
+        (("strategy", "batch_size"), strategy.batch_size, "batch_size")
+    ]
     too_many.append((("strategy", "max_unavailable"), strategy.max_unavailable, "max_unavailable"))
     too_many.append((("strategy", "failure_threshold"), strategy.failure_threshold, "failure_threshold"))
     too_many += [

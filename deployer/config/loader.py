@@ -86,8 +86,8 @@ def read_config(path: Path, environ: Mapping[str, str]) -> LoadResult:
         findings += validation_findings(
             exc, Config, main.positions, main.values.sources, main.values.unresolved
         )
-    fleet = data.get("fleet") if isinstance(data.get("fleet"), dict) else {}
-    inline = fleet.get("devices", [])
+    fleet = data.get("fleet")
+    inline = fleet.get("devices", []) if isinstance(fleet, dict) else []
     devices = [_valid(Device, d) for d in inline] if isinstance(inline, list) else None
     devices = None if devices is None or inventory is None else devices + inventory
     given = CheckInput(path.parent, main.positions, environ, devices=devices, **_sections(data))
@@ -150,7 +150,9 @@ def _inventory_devices(
     inventory's file name, so findings about them point into the inventory.
     """
     fleet = data.get("fleet")
-    name = fleet.get("inventory") if isinstance(fleet, dict) else None
+    if not isinstance(fleet, dict):
+        return [], []
+    name = fleet.get("inventory")
     if not isinstance(name, str) or not name:
         return [], []
     inventory_path = Path(name).expanduser()

@@ -12,6 +12,10 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: transformers is heavy and a controller-only dependency
+    from transformers import PreTrainedTokenizerBase
 
 # What v2 learns. The questions are the demo's probe prompts, so the change shows in the answers.
 LESSONS: tuple[tuple[str, str], ...] = (
@@ -67,7 +71,7 @@ def finetune(
     return dest
 
 
-def _batch(tokenizer: object) -> dict:
+def _batch(tokenizer: PreTrainedTokenizerBase) -> dict:
     """Chat-formatted lessons, padded; the loss covers only the assistant's answer."""
     import torch
 

@@ -21,11 +21,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import yaml
 from rich.console import Console
 
 from deployer.errors import SitsError
+
+if TYPE_CHECKING:  # imported lazily where used, like the modules of the demo's other steps
+    from deployer.demo.traffic import TrafficReport
+
+_T = TypeVar("_T")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "deploy.yaml"
 PROBES = ("What is SITS-Deployer?", "What is the capital of France?")
@@ -67,7 +73,7 @@ def run_demo(options: DemoOptions) -> None:
         require_llama_cpp()  # the agents would only fail to load their model, later and less clearly
     base = options.workdir or Path(tempfile.mkdtemp(prefix="sits-demo-"))
     base.mkdir(parents=True, exist_ok=True)
-    project = None
+    project: DemoProject | None = None
     started = time.monotonic()
     try:
         project = _step(
@@ -167,7 +173,7 @@ def _set_model(project: DemoProject, version: str, source: str) -> None:
     project.config.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
-def _apply_under_traffic(project: DemoProject) -> object:
+def _apply_under_traffic(project: DemoProject) -> TrafficReport:
     from deployer.demo.traffic import Traffic
 
     with Traffic(list(project.ports.values()), question=PROBES[1]) as traffic:
@@ -231,7 +237,7 @@ def console() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def _step(title: str, action: Callable[[], object]) -> object:
+def _step(title: str, action: Callable[[], _T]) -> _T:
     console().rule(f"[bold]{title}")
     started = time.monotonic()
     result = action()

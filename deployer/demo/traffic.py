@@ -11,6 +11,10 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: the module loads without the openai package
+    from openai import OpenAI
 
 LOOPBACK = "127.0.0.1"
 Target = int | tuple[str, int]  # a loopback port, or (host, port)
@@ -26,7 +30,7 @@ class TrafficReport:
     versions: Counter = field(default_factory=Counter)
 
 
-def client(target: Target, *, timeout_s: float = 120.0) -> object:
+def client(target: Target, *, timeout_s: float = 120.0) -> OpenAI:
     """An openai client for the agent at `target` (a loopback port, or (host, port))."""
     from openai import OpenAI
 

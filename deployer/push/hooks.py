@@ -82,7 +82,7 @@ class HookResult:
 
     phase: HookPhase
     path: Path
-    exit_code: int
+    returncode: int
     output: str
     duration_s: float
 
@@ -129,6 +129,7 @@ def run_hook(
         )
     except OSError as exc:
         raise _error(context, path, f"could not be started: {exc.strerror}", hint=_start_hint(exc)) from exc
+    assert process.stdout is not None  # stdout=PIPE above
     tail = _TailReader(process.stdout)
     timed_out = not _exited(process.pid, timeout_s)
     if timed_out:
@@ -145,7 +146,7 @@ def run_hook(
             context,
             path,
             f"ran past its {timeout_s:g}s timeout and was killed with its child processes",
-            exit_code=code,
+            returncode=code,
             output=output,
             hint=f"make it finish sooner or raise hooks.{context.phase}.timeout in deploy.yaml",
         )
@@ -154,7 +155,7 @@ def run_hook(
             context,
             path,
             f"exited with code {code}" if code > 0 else f"was killed by signal {-code}",
-            exit_code=code,
+            returncode=code,
             output=output,
             hint=f"run it by hand with the same SITS_* variables: {_replay(context, path)}",
         )
@@ -218,7 +219,7 @@ def _error(
     path: Path,
     what: str,
     *,
-    exit_code: int | None = None,
+    returncode: int | None = None,
     output: str = "",
     hint: str | None = None,
 ) -> HookError:
@@ -228,7 +229,7 @@ def _error(
         message += f"; its last {len(lines)} line(s) of output:\n" + "\n".join(
             f"  | {line}" for line in lines
         )
-    return HookError(message, phase=context.phase, path=path, exit_code=exit_code, output=output, hint=hint)
+    return HookError(message, phase=context.phase, path=path, returncode=returncode, output=output, hint=hint)
 
 
 def _start_hint(exc: OSError) -> str:

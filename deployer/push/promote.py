@@ -128,7 +128,12 @@ def promote(
             hint="label the ring's devices to match its publish.channels selector",
         )
     ring = check_ring(config, devices, artifact, parallel=parallel)
-    record = {"action": "promote", "from": source, "channel": target, "version": artifact.version}
+    record: dict[str, object] = {
+        "action": "promote",
+        "from": source,
+        "channel": target,
+        "version": artifact.version,
+    }
     record["ring"] = [{**asdict(r), "converged": r.converged} for r in ring]
     sits_dir = config.base_dir / SITS_DIRNAME
     behind = [r for r in ring if not r.converged]

@@ -148,7 +148,7 @@ class SshTransport(Transport):
         except BaseException:
             client.close()
             raise
-        client.get_transport().set_keepalive(15)
+        _transport(client).set_keepalive(15)
         return client
 
     def _private_key(self) -> paramiko.PKey | None:
@@ -172,7 +172,8 @@ class SshTransport(Transport):
         last: BaseException | None = None
         for _ in range(2):
             try:
-                return self._connected().get_transport().open_session(timeout=self.options.connect_timeout_s)
+                transport = _transport(self._connected())
+                return transport.open_session(timeout=self.options.connect_timeout_s)
             except (OSError, EOFError, paramiko.SSHException) as exc:
                 last = exc
                 self.close()
@@ -181,9 +182,10 @@ class SshTransport(Transport):
     def _sftp(self) -> paramiko.SFTPClient:
         client = self._connected()
         with self._lock:
-            if self._sftp_client is None or self._sftp_client.get_channel().closed:
+            # `sock` is the channel get_channel() returns, typed without get_channel's None.
+            if self._sftp_client is None or self._sftp_client.sock.closed:
                 self._sftp_client = client.open_sftp()
-                self._sftp_client.get_channel().settimeout(self.options.io_timeout_s)
+                self._sftp_client.sock.settimeout(self.options.io_timeout_s)
             return self._sftp_client
 
     def _timed_out(self, command: str, timeout: float) -> TransportError:
@@ -266,6 +268,14 @@ def _load_known_hosts(client: paramiko.SSHClient, known_hosts: Path) -> None:
             f"cannot read known_hosts file {known_hosts}: {exc}",
             hint="fix or remove the broken line (ssh-keygen -F <host> -f <file> finds a host's lines)",
         ) from exc
+
+
+def _transport(client: paramiko.SSHClient) -> paramiko.Transport:
+    """The client's transport; paramiko gives None once the client is closed (by another thread)."""
+    transport = client.get_transport()
+    if transport is None:
+        raise paramiko.SSHException("the connection was closed")
+    return transport
 
 
 def _active(client: paramiko.SSHClient) -> bool:

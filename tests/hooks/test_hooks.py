@@ -66,7 +66,7 @@ def test_environment_is_documented_and_complete(tmp_path):
         "SITS_NAMESPACE": "prod",
     }
     assert env["KEEP_ME"] == "yes"
-    assert result.exit_code == 0
+    assert result.returncode == 0
     for variable in CONTEXT.environment():
         assert variable in hooks.__doc__
 
@@ -89,7 +89,7 @@ def test_nonzero_exit_names_the_hook_the_code_and_the_last_lines(tmp_path):
     with pytest.raises(HookError) as info:
         run_hook(hook, CONTEXT, timeout_s=30)
     error = info.value
-    assert error.exit_code == 3
+    assert error.returncode == 3
     assert error.phase == "pre-deploy"
     assert str(hook) in error.message
     assert "edge-01" in error.message
@@ -109,7 +109,7 @@ def test_hanging_hook_is_killed_at_the_timeout_with_its_children(tmp_path):
     child, parent = (int(line) for line in pids.read_text().split())
     assert not alive(child)
     assert not alive(parent)
-    assert info.value.exit_code == -15
+    assert info.value.returncode == -15
     assert "started" in info.value.message
 
 
@@ -118,7 +118,7 @@ def test_hook_ignoring_sigterm_is_killed(tmp_path, monkeypatch):
     hook = script(tmp_path, "trap '' TERM\nwhile :; do sleep 0.1; done\n")
     with pytest.raises(HookError, match="timeout") as info:
         run_hook(hook, CONTEXT, timeout_s=0.5)
-    assert info.value.exit_code == -9
+    assert info.value.returncode == -9
 
 
 def test_children_left_behind_by_a_successful_hook_are_killed(tmp_path):
@@ -131,7 +131,7 @@ def test_children_left_behind_by_a_successful_hook_are_killed(tmp_path):
 def test_missing_hook(tmp_path):
     with pytest.raises(HookError, match="does not exist") as info:
         run_hook(tmp_path / "nope.sh", CONTEXT, timeout_s=5)
-    assert info.value.exit_code is None
+    assert info.value.returncode is None
     assert "hooks.pre-deploy" in info.value.hint
 
 
