@@ -47,9 +47,10 @@ class SourceMap:
         n = len(source)
 
         def moved(path: FieldPath) -> FieldPath | None:
-            if len(path) <= n or path[:n] != source or not isinstance(path[n], int):
+            index = path[n] if len(path) > n and path[:n] == source else None
+            if not isinstance(index, int):
                 return None
-            return (*target, offset + path[n], *path[n + 1 :])
+            return (*target, offset + index, *path[n + 1 :])
 
         for own, theirs in ((self.keys, other.keys), (self.values, other.values)):
             for path, mark in theirs.items():

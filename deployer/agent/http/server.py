@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from deployer.agent.engines.base import Engine
 from deployer.agent.hotswap import ModelManager, SwapResult
@@ -137,7 +138,7 @@ class AgentServer:
         lifecycle_event("listening", version=None, reason=f"{scheme}://{s.host}:{self.port}")
         return self.port
 
-    def _config(self, app: object, limits: ConnectionLimits, *, tls: bool) -> uvicorn.Config:
+    def _config(self, app: ASGIApp, limits: ConnectionLimits, *, tls: bool) -> uvicorn.Config:
         s = self.settings
         return uvicorn.Config(
             app,
