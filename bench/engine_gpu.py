@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from deployer.agent.engines.torch_engine import TorchEngine
+from deployer.agent.engines.torch_engine import TorchEngine, common_prefix
 
 NEW_TOKENS = 128
 PROMPT_TOKENS = 32
@@ -242,20 +242,10 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
         "budget_mb": (weight_bytes + kv_bytes) * 1.2 / 2**20,
         "weights_mb": weight_bytes / 2**20,
         "kv_mb": kv_bytes / 2**20,
-        "same_as_eager": _agreeing(ours, eager_tokens),
-        "same_as_ref": _agreeing(ours, ref1.tokens),
-        "batched_same": _agreeing(batched, ours),
+        "same_as_eager": common_prefix(ours, eager_tokens),
+        "same_as_ref": common_prefix(ours, ref1.tokens),
+        "batched_same": common_prefix(batched, ours),
     }
-
-
-def _agreeing(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two greedy runs share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def gpu_table(rows: list[dict], errors: list[tuple[str, str]]) -> object:

@@ -320,10 +320,7 @@ class Poller:
 
     def _write_state(self, state: PollState) -> None:
         self.base.mkdir(parents=True, exist_ok=True)
-        try:
-            atomic_write(self.state_path, state.model_dump_json(indent=2) + "\n")
-        except OSError as exc:
-            raise AgentError(f"{self.state_path}: cannot write: {exc.strerror or exc}") from exc
+        atomic_write(self.state_path, state.model_dump_json(indent=2) + "\n", error=AgentError)
 
 
 @contextlib.contextmanager

@@ -262,13 +262,9 @@ class DeviceStore:
         """Replace state.json atomically: temp file, fsync, rename, fsync the directory."""
         self.ensure_layout()
         data = state.model_dump_json(indent=2).encode() + b"\n"
-        try:
-            atomic_write(self.state_path, data)
-        except OSError as exc:
-            raise AgentError(
-                f"{self.state_path}: cannot write: {exc.strerror or exc}",
-                hint="free disk space under the store's root, then retry",
-            ) from exc
+        atomic_write(
+            self.state_path, data, error=AgentError, hint="free disk space under the store's root, then retry"
+        )
 
     def new_staging_dir(self, label: str) -> Path:
         """A fresh empty directory under staging/ for one operation's output."""

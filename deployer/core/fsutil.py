@@ -68,10 +68,23 @@ def atomic_open(path: Path, *, mode: int | None = None) -> Iterator[IO[bytes]]:
     fsync_dir(path.parent)
 
 
-def atomic_write(path: Path, data: bytes | str, *, mode: int | None = None) -> None:
-    """Replace `path` with `data` (str is written as UTF-8) durably. Raises OSError."""
-    with atomic_open(path, mode=mode) as f:
-        f.write(data.encode() if isinstance(data, str) else data)
+def atomic_write(
+    path: Path,
+    data: bytes | str,
+    *,
+    mode: int | None = None,
+    error: type[SitsError] | None = None,
+    hint: str | None = None,
+) -> None:
+    """Replace `path` with `data` (str is written as UTF-8) durably. Raises OSError, or `error`
+    ("<path>: cannot write: <reason>", with `hint`) when the caller names one."""
+    try:
+        with atomic_open(path, mode=mode) as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+    except OSError as exc:
+        if error is None:
+            raise
+        raise error(f"{path}: cannot write: {exc.strerror or exc}", hint=hint) from exc
 
 
 def read_json_object(path: Path, error: type[SitsError] = FormatError) -> dict[str, Any]:

@@ -80,6 +80,7 @@ PID_FILE = "/run/sits-agent.pid"
 SERVICE_USER = "sits"  # User= of the units (deployer.push.units.UnitParams.user)
 STORE_DIR = "/var/lib/sits"
 _START_POLL_S = 0.5
+_JOB_POLL_S = 2.0
 
 
 def agent_settings(config: Config, site: DeviceSite) -> str:
@@ -188,18 +189,58 @@ def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
     wheels_dir = site.path(incoming)
     # Pins, not ranges: the device ends with exactly the wheelhouse's releases; those it has already
     # satisfy their pins without their wheels being sent again.
-    transport.run([*pip, "--find-links", wheels_dir, *house.pins], timeout=1800).check(
-        f"{site.name}: pip install of the agent's {len(house.pins)} wheels"
+    _run_detached(
+        site,
+        transport,
+        [*pip, "--find-links", wheels_dir, *house.pins],
+        f"{site.name}: pip install of the agent's {len(house.pins)} wheels",
+        timeout_s=1800,
     )
     # Our package is replaced even at the same version; its dependencies are the ones above.
-    transport.run([*pip, "--force-reinstall", "--no-deps", f"{wheels_dir}/{wheel.name}"], timeout=900).check(
-        f"{site.name}: pip install of {wheel.name}"
+    _run_detached(
+        site,
+        transport,
+        [*pip, "--force-reinstall", "--no-deps", f"{wheels_dir}/{wheel.name}"],
+        f"{site.name}: pip install of {wheel.name}",
+        timeout_s=900,
     )
     record = {"python": site.python, "wheels": {w.path.name: w.sha256 for w in house.wheels}}
     write_files(
         site, transport, {WHEELS_RECORD: (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()}
     )
     transport.run(["rm", "-rf", wheels_dir], timeout=60)  # installed: the wheels would only take space
+
+
+def _run_detached(
+    site: DeviceSite, transport: Transport, argv: list[str], what: str, *, timeout_s: float
+) -> None:
+    """Run a long device command outside the SSH session and poll until it ends.
+
+    Installing torch runs for minutes without output: a connection that drops or idles out
+    meanwhile must not kill it half-way, so it runs detached (setsid) and each poll is a fresh short
+    command. Raises TransportError when it fails or outlives `timeout_s`.
+    """
+    job = shlex.quote(site.path(f"{INCOMING}/job"))
+    body = f"{shlex.join(argv)} >{job}/log 2>&1; echo $? >{job}/rc.tmp && mv {job}/rc.tmp {job}/rc"
+    transport.run(
+        f"rm -rf {job} && mkdir -p {job} && (setsid sh -c {shlex.quote(body)} </dev/null >/dev/null 2>&1 &)",
+        timeout=60,
+    ).check(f"{what}: starting it")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            done = transport.run(f"cat {job}/rc 2>/dev/null && tail -c 600 {job}/log", timeout=60)
+        except TransportError:
+            done = None  # a dropped connection: the command goes on; the next poll reconnects
+        if done is not None and done.ok and done.stdout.strip():
+            rc, _, log = done.stdout.partition("\n")
+            if rc.strip() != "0":
+                raise TransportError(
+                    f"{what} failed with exit code {rc.strip()}: {log.strip() or '(no output)'}"
+                )
+            return
+        time.sleep(_JOB_POLL_S)
+    raise TransportError(f"{what} did not finish within {timeout_s:g}s", hint=f"see {job}/log on the device")
 
 
 def _check_system_torch(site: DeviceSite, transport: Transport) -> None:

@@ -43,6 +43,8 @@ __all__ = [
     "gather_facts",
     "gather_fleet",
     "gather_platform",
+    "parse_platform",
+    "platform_probe",
 ]
 
 AGENT_CONFIG = "/etc/sits/agent.yaml"
@@ -304,10 +306,21 @@ print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "implementation": sy
 
 def gather_platform(site: DeviceSite, transport: Transport) -> DevicePlatform:
     """Probe the agent's interpreter (it must exist). Raises TransportError when the probe fails."""
-    argv = [site.python, "-c", _PLATFORM, site.path(WHEELS_RECORD), site.python]
-    result = transport.run(argv, timeout=PROBE_TIMEOUT_S).check(f"{site.name}: the platform probe")
+    result = transport.run(platform_probe(site), timeout=PROBE_TIMEOUT_S).check(
+        f"{site.name}: the platform probe"
+    )
+    return parse_platform(site.name, result.stdout)
+
+
+def platform_probe(site: DeviceSite) -> list[str]:
+    """The command that prints the device's platform as JSON (run it with any way in: ssh, nsenter)."""
+    return [site.python, "-c", _PLATFORM, site.path(WHEELS_RECORD), site.python]
+
+
+def parse_platform(name: str, stdout: str) -> DevicePlatform:
+    """The DevicePlatform in the probe's output. Raises TransportError when it printed none."""
     try:
-        data = json.loads(result.stdout.strip().splitlines()[-1])
+        data = json.loads(stdout.strip().splitlines()[-1])
         return DevicePlatform(
             python=data["python"],
             implementation=data["implementation"],
@@ -317,7 +330,7 @@ def gather_platform(site: DeviceSite, transport: Transport) -> DevicePlatform:
             wheels=frozenset(data["wheels"]),
         )
     except (ValueError, IndexError, KeyError, TypeError) as exc:
-        raise TransportError(f"{site.name}: the platform probe printed no usable JSON ({exc})") from exc
+        raise TransportError(f"{name}: the platform probe printed no usable JSON ({exc})") from exc
 
 
 def controller_agent_version() -> str:

@@ -228,7 +228,4 @@ class Releaser:
 
     def _write_ledger(self, ledger: _Ledger) -> None:
         self.releases_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            atomic_write(self.ledger_path, ledger.model_dump_json(indent=2) + "\n")
-        except OSError as exc:
-            raise SitsError(f"{self.ledger_path}: cannot write: {exc.strerror or exc}") from exc
+        atomic_write(self.ledger_path, ledger.model_dump_json(indent=2) + "\n", error=SitsError)

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from deployer.push.bootstrap import build_wheel
+from deployer.push.facts import DEFAULT_PYTHON, DeviceSite, parse_platform, platform_probe
+from deployer.push.wheelhouse import PipTarget, agent_requirements, build_wheelhouse
 from deployer.transport.base import RetryPolicy
 from deployer.transport.ssh import SshOptions, SshTransport
 from tests.lab.lab import TOOLS, Lab
@@ -24,6 +27,7 @@ from tests.lab.netns import require_hub_for
 
 LAB_DEVICES = 5  # the rollout tests need 5; the others use the first 3
 LAB_TTL_S = 2400  # the reaper tears the lab down by itself after this, or as soon as pytest dies
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def lab_unavailable() -> str | None:
@@ -48,9 +52,26 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     report = lab.up(ttl_s=LAB_TTL_S, owner_pid=os.getpid())
     print(f"\n[lab] rootfs {report.rootfs_s:.1f} s, spawn {report.spawn_s:.1f} s, boot {report.boot_s:.1f} s")
     try:
+        _warm_wheelhouses(lab, tmp_path_factory.mktemp("lab-wheel"))
         yield lab
     finally:
         lab.down()
+
+
+def _warm_wheelhouses(lab: Lab, wheel_dir: Path) -> None:
+    """Build the devices' wheelhouses (both engines) here, in the root namespace, before any test.
+
+    A controller builds them where it has its network. The tests drive the controller from inside
+    the hub namespace, which, like a factory network, has no route or DNS out, so a wheelhouse that
+    is not cached yet could not be made there. The probe runs in device 1 through nsenter.
+    """
+    site = DeviceSite(
+        lab.device(1).name, lab.device(1).address, "/", False, 8080, DEFAULT_PYTHON, DEFAULT_PYTHON
+    )
+    target = PipTarget.of(parse_platform(site.name, lab.nsenter(1, platform_probe(site), timeout=120)))
+    wheel = build_wheel(PROJECT, wheel_dir)
+    for engine in ("torch", "llama.cpp"):
+        build_wheelhouse(agent_requirements(wheel, engine), target)
 
 
 @pytest.fixture

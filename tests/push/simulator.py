@@ -266,7 +266,7 @@ class SimHooks:
                 f"hook {context.phase} exited with status 3 for {context.device}",
                 phase=context.phase,
                 path=Path("hooks/check.sh"),
-                exit_code=3,
+                returncode=3,
             )
 
 

@@ -211,7 +211,7 @@ class TorchEngine(Engine):
         token_budget(prompt, params, loaded.model.max_len)
         prompt = list(prompt)
         # At least the last prompt token runs: its logits give the first new token.
-        start = min(_common_prefix(state.held, prompt), len(prompt) - 1)
+        start = min(common_prefix(state.held, prompt), len(prompt) - 1)
         ids = torch.tensor([prompt[start:]], dtype=torch.long, device=loaded.device)
         logits = loaded.model.prefill(ids, slot, start)[0]
         sampler = Sampler(params, new_generator(params.seed, loaded.device))
@@ -371,7 +371,8 @@ def _samplers_for(states: Sequence[_Slot], slots: Sequence[int]) -> list[Sampler
     return rows
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids two sequences share (prefix reuse; benches compare greedy runs with it)."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

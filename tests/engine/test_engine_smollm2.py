@@ -54,6 +54,8 @@ def test_greedy_128_tokens_equal_transformers_generate(smollm2_dir, engine_on):
     tokens += [engine.step([0])[0] for _ in range(127)]
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # all 128 tokens, as the steps above
+    ids = torch.tensor([prompt])
+    # An explicit mask: the chat prompt holds <|im_end|> (id 2), which is also SmolLM2's pad id.
     with torch.inference_mode():
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=128, do_sample=False)[0, len(prompt) :]
-    assert tokens == want.tolist()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, do_sample=False)
+    assert tokens == out[0, len(prompt) :].tolist()
