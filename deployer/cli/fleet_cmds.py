@@ -1,4 +1,5 @@
-"""`plan`, `apply`, `rollback`, `status`, `logs`: thin wrappers over deployer.push.fleet, one call each."""
+"""`plan`, `apply`, `rollback`, `status`, `logs`, `down`, `gc`: thin wrappers over deployer.push, one
+call each. Tables (data) go to stdout, progress and messages to stderr."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 
-from deployer.cli.common import console, emit_json, examples, info, output_option, verbosity
+from deployer.cli.common import console, debug, emit_json, examples, info, output_option, stdout, verbosity
 from deployer.errors import SitsError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,13 +50,46 @@ def _selector(pairs: tuple[str, ...]) -> dict[str, str] | None:
     return dict(p.split("=", 1) for p in pairs)
 
 
-def _fleet(config_path: Path, selector: tuple[str, ...], names: tuple[str, ...], parallel: int):
+def _fleet(
+    config_path: Path,
+    selector: tuple[str, ...],
+    names: tuple[str, ...],
+    parallel: int,
+    *,
+    secrets: bool = False,
+):
+    """The selected fleet; `secrets` for the commands that sign (apply, rollback): only they need
+    the signing key's passphrase."""
     from deployer.config import load_config
     from deployer.push.fleet import Fleet
 
     return Fleet.select(
-        load_config(config_path), selector=_selector(selector), names=names, parallel=parallel
+        load_config(config_path, secrets=secrets),
+        selector=_selector(selector),
+        names=names,
+        parallel=parallel,
     )
+
+
+def _refusal(fleet: Any, plan: Any) -> str | None:
+    """Why a real apply of `plan` would refuse (offline devices under `offline: fail`, devices
+    that cannot take the update), or None."""
+    from deployer.push.plan import DeviceStatus
+    from deployer.push.rollout import decide_offline
+
+    offline = [d.device for d in plan.devices if d.status is DeviceStatus.OFFLINE]
+    refusal = decide_offline(fleet.config.strategy.offline, offline).refusal
+    if refusal:
+        return refusal
+    blocked = [f"{d.device} ({d.reason})" for d in plan.devices if d.status is DeviceStatus.BLOCKED]
+    return f"device(s) cannot take the update: {', '.join(blocked)}" if blocked else None
+
+
+def _not_converged(plan: Any) -> bool:
+    """Drift: a pending change, or a device whose state nobody could read."""
+    from deployer.push.plan import DeviceStatus
+
+    return plan.has_changes or any(d.status is not DeviceStatus.UNCHANGED for d in plan.devices)
 
 
 def _plan_table(plan: Any) -> Table:
@@ -87,6 +121,13 @@ def _report_table(report: Any) -> Table:
     return table
 
 
+def _print_plan(plan: Any, output: str) -> None:
+    if output == "json":
+        emit_json(plan.to_dict())
+    else:
+        stdout().print(_plan_table(plan))
+
+
 class _Board:
     """Live progress per device and phase on stderr (rich), fed from worker threads."""
 
@@ -115,7 +156,15 @@ def _execute(fleet: Any, fp: Any, action: str, output: str) -> None:
 
     show = output == "text" and verbosity() >= 0 and console().is_terminal
     board = _Board() if show else None
-    on_phase = board.update if board else (lambda d, p, x: info(f"{d}: {p} {x}") if verbosity() > 0 else None)
+
+    def on_phase(device: str, phase: str, detail: str) -> None:
+        if phase.endswith(" output"):  # a hook's output: -v shows it (a failure's error holds its tail)
+            debug(f"{device}: {phase}:\n{detail.rstrip()}")
+        elif board:
+            board.update(device, phase, detail)
+        else:
+            info(f"{device}: {phase} {detail}".rstrip())
+
     project = Path(__file__).resolve().parents[2]
     try:
         if board:
@@ -128,7 +177,7 @@ def _execute(fleet: Any, fp: Any, action: str, output: str) -> None:
     if output == "json":
         emit_json(report.to_dict())
     else:
-        console().print(_report_table(report))
+        stdout().print(_report_table(report))
         if report.halted:
             console().print(f"[red]halted:[/red] {report.halted}")
     if not report.ok:
@@ -160,22 +209,36 @@ def plan(
     detailed_exitcode: bool,
     output: str,
 ) -> None:
-    """Show what apply would change on each device, and why. Changes nothing."""
+    """Show what apply would change on each device, and why. Changes nothing, builds nothing, signs
+    nothing and needs no passphrase: an artifact not built yet is a pending change.
+
+    With --detailed-exitcode: 0 the fleet matches, 2 it does not (changes pending, or devices
+    offline under strategy.offline: skip), 1 errors (devices offline under offline: fail).
+    """
     from deployer.push.fleet import plan_fleet, write_plan_file
-    from deployer.release.desired import build_target
+    from deployer.push.lifecycle import built_target, not_built_reason, pending_plan
 
     fleet = _fleet(config_path, selector, names, parallel)
     try:
-        fp = plan_fleet(fleet, build_target(fleet.config))
+        target = built_target(fleet.config)
+        fp = plan_fleet(fleet, target) if target is not None else None
+        shown = fp.plan if fp is not None else pending_plan(fleet)
     finally:
         fleet.close()
+    _print_plan(shown, output)
     if out is not None:
+        if fp is None:
+            raise SitsError(
+                f"{not_built_reason(fleet.config)}; no plan file written",
+                hint=f"run `sits-deployer build -f {config_path}`, then plan -o again",
+            )
         write_plan_file(fp, config_path, out, _selector(selector) or {}, names)
-    if output == "json":
-        emit_json(fp.plan.to_dict())
-    else:
-        console().print(_plan_table(fp.plan))
-    if detailed_exitcode and fp.plan.has_changes:
+    refusal = _refusal(fleet, shown)
+    if refusal:
+        info(f"[yellow]apply would refuse:[/yellow] {refusal}")
+    if detailed_exitcode and refusal:
+        sys.exit(1)
+    if detailed_exitcode and _not_converged(shown):
         sys.exit(2)
 
 
@@ -202,16 +265,32 @@ def apply(
     force_unlock: str | None,
     output: str,
 ) -> None:
-    """Make the fleet match deploy.yaml (or execute a saved plan.json), by the configured strategy."""
-    from deployer.push.fleet import check_plan_file, check_unchanged, load_plan_file, plan_fleet
+    """Make the fleet match deploy.yaml (or execute a saved plan.json), by the configured strategy.
+
+    --dry-run prints the plan and exits 1 when a real apply would refuse (devices offline under
+    strategy.offline: fail, devices that cannot take the update), else 0.
+    """
+    from deployer.push.fleet import (
+        check_plan_config,
+        check_plan_file,
+        check_unchanged,
+        load_plan_file,
+        plan_fleet,
+    )
     from deployer.push.state import force_unlock as unlock
     from deployer.release.desired import build_target
 
+    if plan_file is not None and plan_file.suffix in {".yaml", ".yml"}:
+        raise click.UsageError(
+            f"{plan_file} is a config, not a plan file: use `sits-deployer apply -f {plan_file}`"
+        )
     saved = load_plan_file(plan_file) if plan_file else None
     if saved is not None:
         config_path, selector = Path(saved["config"]), tuple(f"{k}={v}" for k, v in saved["selector"].items())
         names = tuple(saved["devices"])
-    fleet = _fleet(config_path, selector, names, parallel)
+    if saved is not None:
+        check_plan_config(saved)  # before any facts or build: a stale file fails fast
+    fleet = _fleet(config_path, selector, names, parallel, secrets=not dry_run)
     if force_unlock:
         held = unlock(fleet.sits_dir, force_unlock)
         info(f"removed lock {held.lock_id} ({held.command}, pid {held.pid} on {held.host})")
@@ -224,12 +303,12 @@ def apply(
         check_plan_file(saved, fp)
     if dry_run or not fp.plan.has_changes:
         fleet.close()
-        if output == "json":
-            emit_json(fp.plan.to_dict())
-        else:
-            console().print(_plan_table(fp.plan))
+        _print_plan(fp.plan, output)
         if not dry_run:
             check_unchanged(fleet, fp)
+        refusal = _refusal(fleet, fp.plan)
+        if dry_run and refusal:
+            raise SitsError(f"dry run: a real apply would refuse: {refusal}")
         info("no changes" if not fp.plan.has_changes else "dry run: nothing was changed")
         return
     _execute(fleet, fp, "apply", output)
@@ -253,10 +332,13 @@ def rollback(
     to_version: str | None,
     output: str,
 ) -> None:
-    """Return devices to an earlier version, as a NEW signed release (anti-rollback stays on)."""
+    """Return devices to an earlier version, as a NEW signed release (anti-rollback stays on).
+
+    A device that still has that version on disk gets only the signed manifest: a pointer switch.
+    """
     from deployer.push.fleet import plan_fleet, rollback_target
 
-    fleet = _fleet(config_path, selector, names, parallel)
+    fleet = _fleet(config_path, selector, names, parallel, secrets=True)
     try:
         target = rollback_target(fleet.config, to_version, fleet.facts())
         fp = plan_fleet(fleet, target, rollback=True)
@@ -280,7 +362,7 @@ def rollback(
 def status(
     config_path: Path, selector: tuple[str, ...], names: tuple[str, ...], parallel: int, output: str
 ) -> None:
-    """Device, version, health and last result of each device."""
+    """Device, version, health and last result of each device (a table on stdout). No passphrase."""
     from deployer.push.fleet import fleet_status
 
     fleet = _fleet(config_path, selector, names, parallel)
@@ -298,7 +380,7 @@ def status(
         table.add_row(
             *(str(row[c] or "-") for c in ("device", "version", "health", "agent", "last_result", "error"))
         )
-    console().print(table)
+    stdout().print(table)
 
 
 @click.command(
@@ -315,19 +397,105 @@ def status(
 @click.option("--since", help="journalctl --since (systemd devices), e.g. '10 min ago'.")
 @click.option("--follow", is_flag=True, help="Keep printing new lines (Ctrl-C to stop).")
 def logs(device: str, config_path: Path, since: str | None, follow: bool) -> None:
-    """Print the agent's log of one device (journalctl -u sits-agent, or its log file)."""
+    """Print the agent's log of one device (journalctl -u sits-agent, or its log file); --follow
+    streams new lines as they are written. No passphrase."""
     from deployer.push.bootstrap import log_command
     from deployer.push.facts import gather_facts
+    from deployer.push.lifecycle import follow as stream
 
     fleet = _fleet(config_path, (), (device,), 1)
     site = fleet.sites[device]
     transport = fleet.transport(site)
     try:
         facts = gather_facts(site, transport)
+        if not facts.reachable:
+            raise SitsError(f"{device} is offline: {facts.error}")
         command = log_command(site, systemd=facts.systemd, since=since, follow=follow)
-        result = transport.run(command, timeout=24 * 3600 if follow else 60)
+        if follow:
+
+            def write(text: str) -> None:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+
+            rc = stream(transport, command, write)
+            if rc != 0:
+                raise SitsError(f"{device}: {command} exited {rc}")
+            return
+        result = transport.run(command, timeout=60)
     finally:
         fleet.close()
     sys.stdout.write(result.stdout)
     if not result.ok:
         raise SitsError(f"{device}: {command} failed: {result.stderr.strip()[-300:]}")
+
+
+@click.command(
+    epilog=examples(
+        "sits-deployer down -f deploy.yaml",
+        "sits-deployer down -f deploy.yaml --device dev2",
+    )
+)
+@_fleet_options
+@output_option
+def down(
+    config_path: Path, selector: tuple[str, ...], names: tuple[str, ...], parallel: int, output: str
+) -> None:
+    """Stop the agents of the selected devices (systemd units, or the local background agents).
+
+    Installed versions stay on the devices; the next apply starts the agents again. No passphrase.
+    """
+    from deployer.push.lifecycle import stop_fleet
+
+    fleet = _fleet(config_path, selector, names, parallel)
+    try:
+        results = stop_fleet(fleet)
+    finally:
+        fleet.close()
+    if output == "json":
+        emit_json([r.__dict__ for r in results])
+    else:
+        table = Table()
+        for column in ("device", "result", "detail"):
+            table.add_column(column)
+        for r in results:
+            table.add_row(r.device, r.status, r.detail)
+        stdout().print(table)
+    if any(r.status == "failed" for r in results):
+        sys.exit(1)
+
+
+@click.command(
+    epilog=examples(
+        "sits-deployer gc -f deploy.yaml",
+        "sits-deployer gc -f deploy.yaml --keep 1",
+    )
+)
+@click.option(
+    "-f", "--file", "config_path", type=click.Path(path_type=Path, dir_okay=False), default="deploy.yaml"
+)
+@click.option(
+    "--keep", default=2, show_default=True, type=click.IntRange(min=0), help="Released versions to keep."
+)
+@output_option
+def gc(config_path: Path, keep: int, output: str) -> None:
+    """Delete controller artifacts and patches (.sits/) that no device runs, that deploy.yaml does not
+    name, and that are not among the last --keep released versions. Needs every device reachable."""
+    from deployer.push.lifecycle import collect_store
+
+    fleet = _fleet(config_path, (), (), 4)
+    try:
+        facts = fleet.facts()
+    finally:
+        fleet.close()
+    offline = [f.name for f in facts if not f.reachable]
+    if offline:
+        raise SitsError(
+            f"cannot tell what {', '.join(offline)} run(s): nothing was deleted",
+            hint="bring the devices back and run gc again",
+        )
+    removed = collect_store(fleet.config, [f.model_sha256 for f in facts if f.model_sha256], keep)
+    if output == "json":
+        emit_json([str(p) for p in removed])
+    for path in removed:
+        info(f"removed {path}")
+    info(f"{len(removed)} item(s) removed")

@@ -21,6 +21,7 @@ from pathlib import Path
 from deployer.config.models import Config
 from deployer.errors import AgentError, SitsError
 from deployer.push.bootstrap import (
+    INCOMING,
     agent_running,
     desired_files,
     ensure_serving,
@@ -48,8 +49,16 @@ from deployer.transport import Transport, run_bounded
 
 __all__ = ["DeviceResult", "Executor", "RolloutReport"]
 
+VERSIONS_DIR = "/var/lib/sits/versions"  # the agent's verified versions (deployer.agent.store)
+
 STAGE_STEPS = frozenset(
-    {StepKind.BOOTSTRAP, StepKind.WRITE_UNITS, StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT}
+    {
+        StepKind.BOOTSTRAP,
+        StepKind.WRITE_UNITS,
+        StepKind.SEND_PATCH,
+        StepKind.SEND_ARTIFACT,
+        StepKind.SEND_MANIFEST,
+    }
 )
 SWITCH_STEPS = frozenset(set(StepKind) - STAGE_STEPS - {StepKind.PRE_DEPLOY_HOOK})
 DEPLOY_STEPS = STAGE_STEPS | SWITCH_STEPS
@@ -287,8 +296,18 @@ class Executor:
                 start_agent(site, transport, systemd=facts.systemd, timeout_s=timeout)
         elif kind in (StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT):
             return send_release(site, transport, _need(release, site))
+        elif kind is StepKind.SEND_MANIFEST:
+            return transport.put(
+                _need(release, site).manifest, site.file(_switch_manifest(release))
+            ).bytes_sent
         elif kind is StepKind.INSTALL:
-            argv = site.agent("install", *install_args(site, _need(release, site)))
+            args = install_args(site, _need(release, site))
+            if any(s.kind is StepKind.SEND_MANIFEST for s in dp.steps):
+                # The version's verified files are on the device: the agent checks them against
+                # the signed manifest and switches its pointer (nothing is staged).
+                kept = site.path(f"{VERSIONS_DIR}/{dp.to_version}")
+                args = ["--manifest", site.path(_switch_manifest(release)), "--artifact", kept]
+            argv = site.agent("install", *args)
             transport.run(store_command(site, argv), timeout=900).check(
                 f"{site.name}: sits-agent install {dp.to_version}"
             )
@@ -409,6 +428,11 @@ class Executor:
         sent: int = 0,
     ) -> DeviceResult:
         return DeviceResult(dp.device, status, dp.from_version, dp.to_version, version, phase, error, sent)
+
+
+def _switch_manifest(release: ReleaseFiles | None) -> str:
+    """Where a pointer switch's manifest goes on the device."""
+    return f"{INCOMING}/{release.counter if release else 0}/release.json"
 
 
 def _need(release: ReleaseFiles | None, site: DeviceSite) -> ReleaseFiles:

@@ -41,6 +41,7 @@ __all__ = [
     "Fleet",
     "FleetPlan",
     "apply_plan",
+    "check_plan_config",
     "check_plan_file",
     "fleet_status",
     "load_plan_file",
@@ -146,7 +147,8 @@ def plan_fleet(fleet: Fleet, target: Desired, *, rollback: bool = False) -> Flee
         files = desired_files(fleet.config, site, systemd=f.systemd)
         patches = {}
         base = artifact_in_store(fleet.config, f.model_sha256) if f.model_sha256 else None
-        if base is not None and base.artifact_sha256 != target.artifact_sha256:
+        kept = target.artifact_sha256 in f.stored_artifacts  # a pointer switch needs no patch
+        if base is not None and base.artifact_sha256 != target.artifact_sha256 and not kept:
             patches[base.artifact_sha256] = releaser.patch(base, target).stat().st_size
         desired = DesiredState(
             version=target.version,
@@ -198,7 +200,7 @@ def prepare_releases(fleet: Fleet, fp: FleetPlan) -> dict[str, ReleaseFiles]:
         if StepKind.SEND_PATCH in kinds:
             base = artifact_in_store(fleet.config, facts[dp.device].model_sha256 or "")
             out[dp.device] = releaser.release(fp.target, base, floor=floor)
-        elif StepKind.SEND_ARTIFACT in kinds:
+        elif kinds & {StepKind.SEND_ARTIFACT, StepKind.SEND_MANIFEST}:
             out[dp.device] = releaser.release(fp.target, None, floor=floor)
     for manifest in sorted({r.manifest for r in out.values()}):
         _check_signed_enough(fleet.config, manifest)
@@ -306,6 +308,7 @@ def write_plan_file(
     data = {
         "kind": PLAN_FILE_KIND,
         "config": str(config_path.resolve()),
+        "config_sha256": config_digest(config_path),
         "selector": dict(selector),
         "devices": list(names),
         "plan": fp.plan.to_dict(),
@@ -322,6 +325,31 @@ def load_plan_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("kind") != PLAN_FILE_KIND:
         raise ConfigError(f"{path}: not a plan file written by `sits-deployer plan -o`")
     return data
+
+
+def config_digest(config_path: Path) -> str:
+    """sha256 of deploy.yaml and the inventory it names, as they are on disk now."""
+    import yaml
+
+    text = config_path.read_bytes()
+    try:
+        inventory = (yaml.safe_load(text) or {}).get("fleet", {}).get("inventory")
+    except (yaml.YAMLError, AttributeError):
+        inventory = None
+    parts = [text]
+    if isinstance(inventory, str) and (config_path.parent / inventory).is_file():
+        parts.append((config_path.parent / inventory).read_bytes())
+    return sha256_bytes(b"\0".join(parts))
+
+
+def check_plan_config(saved: Mapping[str, Any]) -> None:
+    """Refuse a saved plan at once when deploy.yaml (or its inventory) changed since it was made."""
+    path = Path(saved["config"])
+    if saved.get("config_sha256") not in (None, config_digest(path)):
+        raise SitsError(
+            f"{path} changed since this plan was made; not applying it",
+            hint="run `sits-deployer plan -o plan.json` again, review it, then apply the new file",
+        )
 
 
 def check_plan_file(saved: Mapping[str, Any], fresh: FleetPlan) -> None:

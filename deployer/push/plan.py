@@ -26,6 +26,7 @@ class StepKind(enum.StrEnum):
     WRITE_UNITS = "write-units"
     SEND_PATCH = "send-patch"
     SEND_ARTIFACT = "send-artifact"
+    SEND_MANIFEST = "send-manifest"  # the target is still on the device: only its signed manifest
     INSTALL = "install"
     RELOAD = "reload"
     HEALTH_GATE = "health-gate"
@@ -59,6 +60,7 @@ class DeviceFacts:
     unit_hashes: Mapping[str, str] = field(default_factory=dict)
     ready: bool = False
     systemd: bool = False  # the agent runs under systemd (else as a background process)
+    stored_artifacts: Mapping[str, str] = field(default_factory=dict)  # sha256 -> version kept on disk
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ def plan_device(desired: DesiredState, facts: DeviceFacts) -> DevicePlan:
     if not steps:
         return DevicePlan(**base, status=DeviceStatus.UNCHANGED, reason="already matches")
     # The headline is what moves the model, when something does; else the first step.
-    headline = (StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT, StepKind.RELOAD)
+    headline = (StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT, StepKind.SEND_MANIFEST, StepKind.RELOAD)
     reason = next((s.reason for s in steps if s.kind in headline), steps[0].reason)
     if model_steps:
         steps = _with_hooks(desired, steps)
@@ -184,6 +186,14 @@ def _model_steps(desired: DesiredState, facts: DeviceFacts) -> list[Step] | str:
         return [] if facts.ready else [Step(StepKind.RELOAD, "model installed but not ready")]
     have = facts.model_version or "nothing"
     patch_size = desired.patches.get(facts.model_sha256 or "")
+    kept = facts.stored_artifacts.get(desired.artifact_sha256)
+    if kept is not None:  # a pointer switch: nothing to stage, so no room needed either
+        return [
+            Step(StepKind.SEND_MANIFEST, f"{kept} is still on the device: switch to it"),
+            Step(StepKind.INSTALL, f"verify the release and switch to {kept}"),
+            Step(StepKind.RELOAD, "hot-swap to the new version"),
+            Step(StepKind.HEALTH_GATE, "readiness and smoke prompts within the latency budget"),
+        ]
     if patch_size is not None:
         send = Step(StepKind.SEND_PATCH, f"patch {have} -> {desired.version}", patch_size)
     else:
