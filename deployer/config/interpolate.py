@@ -9,7 +9,6 @@ Interpolated values are remembered so that any message mentioning one says
 from __future__ import annotations
 
 import dataclasses
-
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field

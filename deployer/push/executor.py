@@ -415,7 +415,9 @@ class Executor:
             application=self.config.application,
             namespace=self.config.namespace,
         )
-        run_phase_hook(self.config, context)
+        result = run_phase_hook(self.config, context)
+        if result is not None and result.output.strip():  # shown with -v (a failure's error holds it)
+            self.on_phase(dp.device, f"{phase} output", result.output)
 
     def _result(
         self,
