@@ -85,6 +85,32 @@ def _refusal(fleet: Any, plan: Any) -> str | None:
     return f"device(s) cannot take the update: {', '.join(blocked)}" if blocked else None
 
 
+def _dry_run(fleet: Any, output: str) -> None:
+    """apply --dry-run: the plan as plan makes it (nothing built or signed), then exit 1 with the
+    reason when a real apply would refuse."""
+    from deployer.push.fleet import plan_fleet
+    from deployer.push.lifecycle import built_target, pending_plan
+
+    try:
+        target = built_target(fleet.config)
+        shown = plan_fleet(fleet, target).plan if target is not None else pending_plan(fleet)
+    finally:
+        fleet.close()
+    _print_plan(shown, output)
+    refusal = _refusal(fleet, shown) or _unsigned(fleet, shown)
+    if refusal:
+        raise SitsError(f"dry run: a real apply would refuse: {refusal}")
+    info("dry run: nothing was changed" if shown.has_changes else "no changes")
+
+
+def _unsigned(fleet: Any, plan: Any) -> str | None:
+    """A change to make and no key to sign it with: apply would refuse before sending anything."""
+    signing = fleet.config.signing
+    if plan.has_changes and (signing is None or signing.private_key is None):
+        return "deploy.yaml has no signing.private_key, and devices install only signed releases"
+    return None
+
+
 def _not_converged(plan: Any) -> bool:
     """Drift: a pending change, or a device whose state nobody could read."""
     from deployer.push.plan import DeviceStatus
@@ -93,7 +119,8 @@ def _not_converged(plan: Any) -> bool:
 
 
 def _plan_table(plan: Any) -> Table:
-    table = Table(title=f"plan: {plan.target_version} ({plan.target_sha256[:12]})", title_justify="left")
+    artifact = plan.target_sha256[:12] or "not built"
+    table = Table(title=f"plan: {plan.target_version} ({artifact})", title_justify="left")
     for column in ("device", "status", "from", "to", "steps", "bytes", "reason"):
         table.add_column(column)
     for d in plan.devices:
@@ -288,9 +315,11 @@ def apply(
     if saved is not None:
         config_path, selector = Path(saved["config"]), tuple(f"{k}={v}" for k, v in saved["selector"].items())
         names = tuple(saved["devices"])
-    if saved is not None:
         check_plan_config(saved)  # before any facts or build: a stale file fails fast
     fleet = _fleet(config_path, selector, names, parallel, secrets=not dry_run)
+    if dry_run:
+        _dry_run(fleet, output)
+        return
     if force_unlock:
         held = unlock(fleet.sits_dir, force_unlock)
         info(f"removed lock {held.lock_id} ({held.command}, pid {held.pid} on {held.host})")
@@ -301,15 +330,11 @@ def apply(
         raise
     if saved is not None:
         check_plan_file(saved, fp)
-    if dry_run or not fp.plan.has_changes:
+    if not fp.plan.has_changes:
         fleet.close()
         _print_plan(fp.plan, output)
-        if not dry_run:
-            check_unchanged(fleet, fp)
-        refusal = _refusal(fleet, fp.plan)
-        if dry_run and refusal:
-            raise SitsError(f"dry run: a real apply would refuse: {refusal}")
-        info("no changes" if not fp.plan.has_changes else "dry run: nothing was changed")
+        check_unchanged(fleet, fp)
+        info("no changes")
         return
     _execute(fleet, fp, "apply", output)
 

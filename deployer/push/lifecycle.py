@@ -19,11 +19,20 @@ from pathlib import Path
 
 from deployer.build.store import Store
 from deployer.config.models import Config
+from deployer.core.hashing import sha256_bytes
 from deployer.errors import SitsError
-from deployer.push.bootstrap import stop_agent
-from deployer.push.facts import DeviceSite, gather_facts
+from deployer.push.bootstrap import desired_files, stop_agent
+from deployer.push.facts import DeviceSite, controller_agent_version, gather_facts
 from deployer.push.fleet import Fleet
-from deployer.push.plan import DevicePlan, DeviceStatus, Plan, facts_digest
+from deployer.push.plan import (
+    DesiredState,
+    DevicePlan,
+    DeviceStatus,
+    Plan,
+    StepKind,
+    facts_digest,
+    plan_device,
+)
 from deployer.release.desired import SITS_DIRNAME, Desired, Releaser
 from deployer.transport import LocalTransport, Transport, run_bounded
 
@@ -38,6 +47,7 @@ __all__ = [
 ]
 
 STORE_DIRNAME = "store"
+_WITHOUT_ARTIFACT = frozenset({StepKind.BOOTSTRAP, StepKind.WRITE_UNITS})
 
 
 def built_target(config: Config) -> Desired | None:
@@ -59,18 +69,23 @@ def not_built_reason(config: Config) -> str:
 
 def pending_plan(fleet: Fleet) -> Plan:
     """The plan while the artifact is not built: offline and refused devices as they are, every
-    other device a pending change without steps (they are known once the artifact exists)."""
+    other device a pending change with the steps known without the artifact (bootstrap, units);
+    the model's steps are known once it is built."""
     facts = fleet.facts()
-    version, reason = fleet.config.model.version, not_built_reason(fleet.config)
+    config = fleet.config
+    version, reason = config.model.version, not_built_reason(config)
     devices = []
     for f in facts:
-        if f.refused:
-            status, why = DeviceStatus.BLOCKED, f.error or "refused"
-        elif not f.reachable:
-            status, why = DeviceStatus.OFFLINE, f.error or "unreachable"
-        else:
-            status, why = DeviceStatus.CHANGE, reason
-        devices.append(DevicePlan(f.name, status, why, f.model_version, version))
+        if f.refused or not f.reachable:
+            status = DeviceStatus.BLOCKED if f.refused else DeviceStatus.OFFLINE
+            why = f.error or ("refused" if f.refused else "unreachable")
+            devices.append(DevicePlan(f.name, status, why, f.model_version, version))
+            continue
+        files = desired_files(config, fleet.sites[f.name], systemd=f.systemd)
+        units = {path: sha256_bytes(data) for path, data in files.items()}
+        known = plan_device(DesiredState(version, "", 0, controller_agent_version(), units), f)
+        steps = tuple(s for s in known.steps if s.kind in _WITHOUT_ARTIFACT)
+        devices.append(DevicePlan(f.name, DeviceStatus.CHANGE, reason, f.model_version, version, steps))
     return Plan(version, "", tuple(devices), facts_digest(facts))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -276,3 +277,53 @@ def test_setup_announces_the_llama_cpp_compile_before_it_starts():
     said = [i for i, line in enumerate(lines[:compile_at]) if line.strip().startswith("log ")]
     assert said and "5-10 minutes" in lines[said[-1]]
     assert not any("about a minute" in line for line in lines)
+
+
+# 5. examples/seed-003: its devices cannot be reached, so a real apply refuses; so does the dry run.
+def test_seed_003_dry_run_reports_the_refusal(tmp_path, tiny_model_dir):
+    shutil.copytree(ROOT / "examples/seed-003", tmp_path / "seed-003")
+    shutil.copytree(ROOT / "examples/keys", tmp_path / "keys")
+    model = tmp_path / "cache/models/smollm2-135m-instruct-v1"  # the tiny model as the builtin
+    shutil.copytree(tiny_model_dir, model)
+    (model / ".complete").write_text("ok\n")
+    # Tests reach only loopback: its hosts become a bound port of ours that nothing listens on.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    deploy = tmp_path / "seed-003/deploy.yaml"
+    text = deploy.read_text()
+    for host, loopback in (("10.40.0.11", "127.0.0.1"), ("10.40.0.12", "127.0.0.2")):
+        assert f"host: {host}\n" in text
+        text = text.replace(f"host: {host}\n", f"host: {loopback}\n      port: {closed.getsockname()[1]}\n")
+    deploy.write_text(text)
+    env = {"SITS_CACHE_DIR": str(tmp_path / "cache")}
+    try:
+        result = run("apply", "-f", str(deploy), "--dry-run", env=env)
+    finally:
+        closed.close()
+    assert result.exit_code == 1
+    assert "dry run: a real apply would refuse: 2 device(s) offline" in result.stderr
+    assert result.stdout.count(" offline ") == 2
+    assert not (tmp_path / "seed-003/.sits/store/artifacts").exists()  # the dry run built nothing
+
+
+# 8. A hook's output reaches the progress callback, which the CLI prints with -v.
+def test_hook_output_is_reported(project):
+    from deployer.push.executor import Executor
+    from deployer.push.plan import DevicePlan, DeviceStatus, Plan, Step
+
+    deploy = project / "deploy.yaml"
+    doc = yaml.safe_load(deploy.read_text())
+    doc["strategy"] = {"type": "all-at-once"}  # no canary analysis: no agent runs here
+    deploy.write_text(yaml.safe_dump(doc, sort_keys=False))
+    config = load_config(deploy, environ={}, secrets=False)
+    sites = {d.name: DeviceSite.of(config, d) for d in config.fleet.devices}
+    facts = {n: DeviceFacts(n, True) for n in sites}
+    hook_only = (Step(StepKind.PRE_DEPLOY_HOOK, "pre-deploy hook"),)
+    devices = tuple(DevicePlan(n, DeviceStatus.CHANGE, "test", None, "1.0.0", hook_only) for n in sites)
+    seen: list[tuple[str, str, str]] = []
+    executor = Executor(
+        config, sites, lambda s: LocalTransport(Path(s.root)), on_phase=lambda *a: seen.append(a)
+    )
+    report = executor.run(Plan("1.0.0", "a" * 64, devices, "digest"), facts, {})
+    assert report.ok
+    assert ("dev1", "pre-deploy output", "pre-deploy: dev1 none -> 1.0.0\n") in seen
