@@ -8,6 +8,7 @@ Interpolated values are remembered so that any message mentioning one says
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ class Interpolated:
         for value, label in sorted(self._secrets.items(), key=lambda item: -len(item[0])):
             message = message.replace(value, label)
             hint = hint.replace(value, label) if hint else hint
-        return Finding(finding.file, finding.line, finding.column, finding.path, message, hint)
+        return dataclasses.replace(finding, message=message, hint=hint)
 
 
 def interpolate(data: Any, positions: SourceMap, environ: Mapping[str, str]) -> Interpolated:

@@ -314,6 +314,8 @@ class SimFleet:
                 },
                 "strategy": strategy or {"type": "all-at-once"},
                 "health": {"latency_budget_ms": 1000, "smoke_prompts": ["Hi"]},
+                # Never read: the releases are stand-ins; apply refuses to send without a key.
+                "signing": {"private_key": "keys/release.key"},
                 **doc,
             }
         )
