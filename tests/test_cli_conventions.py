@@ -33,6 +33,8 @@ def test_version_and_usage_errors() -> None:
     assert __version__ in runner.invoke(cli, ["--version"]).output
     assert runner.invoke(cli, ["no-such-command"]).exit_code == 2
     assert runner.invoke(cli, ["validate", "--no-such-flag"]).exit_code == 2
+    agent = runner.invoke(agent_cli, ["--version"])  # as `sits-deployer --version` (issue 18)
+    assert (agent.exit_code, agent.output) == (0, f"sits-agent, version {__version__}\n")
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))

@@ -51,6 +51,7 @@ class _AgentGroup(click.Group):
     "  sits-agent install --manifest release.json --patch 1.0.0-1.1.0.patch\n\n"
     "  sits-agent rollback --root /srv/devices/dev-1\n\n  sits-agent status --output json",
 )
+@click.version_option(__version__, "--version", prog_name="sits-agent")
 @click.option("-v", "--verbose", count=True, help="More detail on stderr (repeatable).")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr.")
 @click.pass_context

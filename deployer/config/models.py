@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from ipaddress import IPv4Address
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     AfterValidator,
@@ -47,7 +47,7 @@ from deployer.config.quantity import (
     parse_percent,
 )
 
-API_VERSION = "sits.dev/v1"
+API_VERSION: Final = "sits.dev/v1"  # Final: its type is the Literal the models declare
 BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
 SEMVER_PATTERN = (
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
@@ -409,7 +409,7 @@ class Strategy(_Model):
 
     def resolved_steps(self, fleet_size: int) -> list[int]:
         """Cumulative device counts per step, ending at the whole fleet (canary default 1, 50%)."""
-        raw = self.steps if self.steps is not None else [1, "50%"]
+        raw: list[int | str] = self.steps if self.steps is not None else [1, "50%"]
         counts = [min(fleet_size, _count(step, fleet_size)) for step in raw]
         return counts if counts and counts[-1] == fleet_size else [*counts, fleet_size]
 

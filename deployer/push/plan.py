@@ -252,11 +252,14 @@ def make_plan(
 
 def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None = None) -> DevicePlan:
     """The steps that take one device from its facts to the desired state."""
-    base = {"device": facts.name, "from_version": facts.model_version, "to_version": desired.version}
+
+    def verdict(status: DeviceStatus, reason: str, steps: Sequence[Step] = ()) -> DevicePlan:
+        return DevicePlan(facts.name, status, reason, facts.model_version, desired.version, tuple(steps))
+
     if facts.refused:
-        return DevicePlan(**base, status=DeviceStatus.BLOCKED, reason=facts.error or "refused")
+        return verdict(DeviceStatus.BLOCKED, facts.error or "refused")
     if not facts.reachable:
-        return DevicePlan(**base, status=DeviceStatus.OFFLINE, reason=facts.error or "unreachable")
+        return verdict(DeviceStatus.OFFLINE, facts.error or "unreachable")
     steps: list[Step] = []
     if not desired.built:
         steps.append(Step(StepKind.BUILD, f"{desired.version} not built: run `sits-deployer build`"))
@@ -268,10 +271,10 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
         steps.append(Step(StepKind.WRITE_UNITS, "units differ: " + ", ".join(changed_units)))
     model_steps = _model_steps(desired, facts) if desired.built else []
     if isinstance(model_steps, str):
-        return DevicePlan(**base, status=DeviceStatus.BLOCKED, reason=model_steps)
+        return verdict(DeviceStatus.BLOCKED, model_steps)
     steps.extend(model_steps)
     if not steps:
-        return DevicePlan(**base, status=DeviceStatus.UNCHANGED, reason="already matches")
+        return verdict(DeviceStatus.UNCHANGED, "already matches")
     # The headline is what moves the model, when something does; else the first step.
     headline = {
         StepKind.BUILD,
@@ -285,7 +288,7 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
         steps = _with_hooks(desired, steps)
     if recipe is not None:
         steps = [replace(s, actions=recipe.actions(s.kind, facts, desired)) for s in steps]
-    return DevicePlan(**base, status=DeviceStatus.CHANGE, reason=reason, steps=tuple(steps))
+    return verdict(DeviceStatus.CHANGE, reason, steps)
 
 
 def send_kind(desired: DesiredState, facts: DeviceFacts) -> StepKind:
