@@ -323,3 +323,18 @@ def test_a_hooks_output_is_shown_with_v(level, capsys):
     err = capsys.readouterr().err
     assert ("dev1: pre-deploy output:\nchecked dev1" in err) == (level == 1)
     assert "dev1: install verify and install 1.0.0" in err  # progress lines without -v too
+
+
+# A project in a deep directory: the agent's admin socket must still fit a unix socket's path.
+def test_a_deep_project_gets_an_admin_socket_path_that_fits(project):
+    from deployer.push.bootstrap import UNIX_PATH_MAX, agent_settings
+
+    config = load_config(project / "deploy.yaml", environ={}, secrets=False)
+    site = _site(project, "dev1")
+    short = DeviceSite(**{**site.__dict__, "root": "/srv/dev1"})
+    assert "admin_socket" not in yaml.safe_load(agent_settings(config, short))  # the default fits
+    deep = DeviceSite(**{**site.__dict__, "root": "/srv/" + "d" * 100 + "/dev1"})
+    socket_path = yaml.safe_load(agent_settings(config, deep))["admin_socket"]
+    assert len(socket_path.encode()) <= UNIX_PATH_MAX and socket_path.startswith(str(Path.home()))
+    other = DeviceSite(**{**deep.__dict__, "root": "/srv/" + "d" * 100 + "/dev2"})
+    assert yaml.safe_load(agent_settings(config, other))["admin_socket"] != socket_path
