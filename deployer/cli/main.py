@@ -76,7 +76,7 @@ def _verbosity(ctx: click.Context) -> int:
     return int((ctx.find_root().obj or {}).get("verbosity", 0))
 
 
-def _set_verbosity(ctx: click.Context, param: click.Parameter, value: object) -> None:
+def _set_verbosity(ctx: click.Context, param: click.Parameter, value: int) -> None:
     """-v/-q given after the subcommand count as if given before it."""
     if not value:
         return
@@ -85,7 +85,7 @@ def _set_verbosity(ctx: click.Context, param: click.Parameter, value: object) ->
     if param.name == "sub_quiet":
         root.obj["verbosity"] = -1
     else:
-        root.obj["verbosity"] = max(root.obj["verbosity"], 0) + int(value)  # type: ignore[call-overload]
+        root.obj["verbosity"] = max(root.obj["verbosity"], 0) + int(value)
     _configure_logging(root.obj["verbosity"])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 PathPart = str | int
 FieldPath = tuple[PathPart, ...]
@@ -35,7 +36,7 @@ class Finding:
     message: str
     hint: str | None = None
     # "warning": the config loads and validate passes, but a later command will need this fixed.
-    severity: str = "error"
+    severity: Literal["error", "warning"] = "error"
 
     def __str__(self) -> str:
         warning = "warning: " if self.severity == "warning" else ""
