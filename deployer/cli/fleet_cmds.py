@@ -112,11 +112,12 @@ def _print_plan(plan: Plan, output: str) -> None:
                 stdout().print(f"    {action.describe()}", markup=False)
 
 
-def _drift(fleet: FleetSession, plan: Plan) -> SitsError | None:
-    """What a real apply of `plan` would refuse or fail on (said on stderr), or None."""
+def _drift(fleet: FleetSession, plan: Plan, *, signing: bool) -> SitsError | None:
+    """What a real apply of `plan` would refuse or fail on, or None; `signing`: also a missing
+    signing key (not for a drift check, which runs where no key is)."""
     from deployer.push.fleet import apply_failures, apply_refusal
 
-    refusal = apply_refusal(fleet.config, plan)
+    refusal = apply_refusal(fleet.config, plan, signing=signing)
     if refusal is not None:
         return SitsError(f"a real apply would refuse: {refusal.message}", hint=refusal.hint)
     failures = apply_failures(plan)
@@ -234,7 +235,7 @@ def plan(
 
     With --detailed-exitcode: 0 the fleet matches, 2 it does not (changes pending, or devices
     offline under strategy.offline: skip), 1 apply would refuse or fail (devices offline under
-    offline: fail, devices that cannot take the update, no signing key) or an error.
+    offline: fail, devices that cannot take the update) or an error.
     """
     from deployer.push.fleet import plan_fleet, write_plan_file
     from deployer.release.desired import built_target
@@ -248,7 +249,7 @@ def plan(
     if out is not None:
         fp.built_target()  # a plan made before the build cannot be applied: no file for it
         write_plan_file(fp, config_path, out, _selector(selector) or {}, names)
-    problem = _drift(fleet, fp.plan)
+    problem = _drift(fleet, fp.plan, signing=False)
     if problem is not None:
         console().print(f"[yellow]warning:[/yellow] {escape(problem.message)}")
     if detailed_exitcode and problem is not None:
@@ -323,7 +324,7 @@ def apply(
     if dry_run or not fp.plan.has_changes:
         fleet.close()
         _print_plan(fp.plan, output)
-        problem = _drift(fleet, fp.plan) if dry_run else None
+        problem = _drift(fleet, fp.plan, signing=True) if dry_run else None
         if problem is not None:
             raise SitsError(f"dry run: {problem.message}", hint=problem.hint)
         if not dry_run:

@@ -331,15 +331,16 @@ def _offline_decision(config: Config, plan: Plan) -> OfflineDecision:
     return decide_offline(config.strategy.offline, offline)
 
 
-def apply_refusal(config: Config, plan: Plan) -> SitsError | None:
+def apply_refusal(config: Config, plan: Plan, *, signing: bool = True) -> SitsError | None:
     """Why apply refuses `plan` before it changes anything, or None: devices offline under
     `strategy.offline: fail`, or releases to send and no key to sign them. apply_plan raises it;
-    `apply --dry-run` and `plan --detailed-exitcode` report it."""
+    `apply --dry-run` and `plan --detailed-exitcode` report it, the latter with `signing=False`:
+    a drift check runs where no signing key is (CI's drift job)."""
     refusal = _offline_decision(config, plan).refusal
     if refusal:
         return SitsError(refusal, hint="bring the devices back, or set strategy.offline: skip")
     sends = any(s.kind in SEND_STEPS for d in plan.devices for s in d.steps)
-    if sends and (config.signing is None or config.signing.private_key is None):
+    if signing and sends and (config.signing is None or config.signing.private_key is None):
         return KeyFileError(
             "deploy.yaml has no signing.private_key, and devices install only signed releases",
             hint="make a key pair with `sits-deployer keygen -o keys/release` and set "

@@ -315,6 +315,7 @@ def test_releases_to_send_and_no_signing_key_refuse_before_anything_changes(tmp_
     fp = sim.plan()
     refusal = apply_refusal(sim.config, fp.plan)
     assert refusal is not None and "no signing.private_key" in refusal.message
+    assert apply_refusal(sim.config, fp.plan, signing=False) is None  # a drift check needs no key
     with pytest.raises(SitsError, match=r"no signing\.private_key"):
         _apply(sim, fp)
     assert sim.of("put") == [] and read_audit(sim.session.sits_dir) == []

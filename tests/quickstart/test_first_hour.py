@@ -338,3 +338,19 @@ def test_a_deep_project_gets_an_admin_socket_path_that_fits(project):
     assert len(socket_path.encode()) <= UNIX_PATH_MAX and socket_path.startswith(str(Path.home()))
     other = DeviceSite(**{**deep.__dict__, "root": "/srv/" + "d" * 100 + "/dev2"})
     assert yaml.safe_load(agent_settings(config, other))["admin_socket"] != socket_path
+
+
+# 5. A drift check runs where no signing key is (docs/ci.md's drift job): a missing key is not
+# its error; the dry run of a real apply names it.
+def test_no_signing_key_is_drift_for_plan_and_a_refusal_for_the_dry_run(project):
+    deploy = project / "deploy.yaml"
+    doc = yaml.safe_load(deploy.read_text())
+    del doc["signing"]["private_key"]
+    deploy.write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert run("build", "-f", str(deploy), "-q").exit_code == 0
+    drift = run("plan", "-f", str(deploy), "--detailed-exitcode")
+    assert drift.exit_code == 2, drift.stderr
+    dry = run("apply", "-f", str(deploy), "--dry-run")
+    assert dry.exit_code == 1
+    assert "dry run: a real apply would refuse: deploy.yaml has no signing.private_key" in dry.stderr
+    assert "sits-deployer keygen -o keys/release" in dry.stderr
