@@ -2,7 +2,8 @@
 
     plan_fleet     config -> facts of the selected devices -> per-device desired state -> Plan
                    (plan.make_plan, each step's actions written by operations.DeviceRecipe)
-    apply_plan     lock, offline policy, releases, executor, audit log
+    apply_plan     lock, refusals (apply_refusal: what apply --dry-run reports too), releases,
+                   executor, audit log
     rollback_fleet a Plan whose target is an older artifact, issued as a new signed release
     fleet_status   device, version, health, last result (from the audit log)
 
@@ -165,7 +166,7 @@ def plan_fleet(fleet: FleetSession, target: Desired | None, *, rollback: bool = 
     patches: dict[str, Path] = {}
     for f in facts:
         if target is None or target.artifact_sha256 in f.stored_artifacts:
-            continue  # still on the device: a pointer switch, no patch to make
+            continue  # not built (nothing to patch to), or still on the device (a pointer switch)
         base = artifact_in_store(fleet.config, f.model_sha256) if f.model_sha256 else None
         if base is not None and base.artifact_sha256 != target.artifact_sha256:
             patches[base.artifact_sha256] = releaser.patch(base, target)
