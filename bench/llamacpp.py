@@ -141,8 +141,10 @@ def child_server(engine: str, artifact_dir: Path, threads: int) -> None:
 
 def stream_once(port: int, tokens: int) -> tuple[float, list[float]]:
     """One streamed chat completion; (start, the arrival time of each chunk with text)."""
-    body = {"model": "m", "messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True}
     conn = HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("GET", "/v1/models")
+    model = json.loads(conn.getresponse().read())["data"][0]["id"]  # the agent answers for its model only
+    body = {"model": model, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True}
     start, stamps = time.perf_counter(), []
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()

@@ -156,12 +156,14 @@ def _run(
         base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300
     )
 
+    model = client.models.list().data[0].id.partition("@")[0]  # the agent answers for its model only
+
     def ask() -> None:
         while not stop.is_set():
             start = time.monotonic()
             try:
                 client.chat.completions.create(
-                    model="any", messages=PROMPT, max_tokens=args.max_tokens, temperature=0
+                    model=model, messages=PROMPT, max_tokens=args.max_tokens, temperature=0
                 )
                 samples.append(Sample(start, time.monotonic(), True))
             except openai.OpenAIError as exc:

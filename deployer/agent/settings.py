@@ -3,8 +3,8 @@
 Every field has a default, so an empty file is a valid configuration. Unknown keys are refused:
 a typo must not silently fall back to a default on a device nobody is watching. For example::
 
-    host: 0.0.0.0            # /admin/reload still answers loopback clients only
-    port: 8080
+    host: 0.0.0.0            # beyond loopback: every route but /healthz, /readyz needs an API key
+    port: 8080               # the admin surface (reload) is a unix socket, never this port
     max_concurrent: 4        # requests admitted to the model at once; the engine runs them in turn
     queue_length: 16         # beyond running + queued: 429 + Retry-After
     max_tokens: 512
@@ -14,10 +14,14 @@ a typo must not silently fall back to a default on a device nobody is watching. 
         expect: Paris
         max_tokens: 16
     latency_budget_ms: 5000
+    max_connections: 256     # beyond it the longest-idle connection is closed for a new one
+    tls_certfile: /etc/sits/tls/cert.pem   # both or neither: HTTPS
+    tls_keyfile: /etc/sits/tls/key.pem
 """
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -53,7 +57,32 @@ class AgentSettings(BaseModel):
     max_request_bytes: int = Field(default=1 << 20, ge=1024)
     max_prompt_tokens: int = Field(default=1536, ge=1)
     max_tokens: int = Field(default=512, ge=1, description="the most tokens one request may generate")
-    request_timeout_s: float = Field(default=120.0, gt=0)
+    request_timeout_s: float = Field(
+        default=120.0, gt=0, description="reading the body plus waiting for the model, per request"
+    )
+    # Connection limits (the HTTP server is uvicorn; these are the knobs it lacks or leaves open).
+    max_connections: int = Field(default=256, ge=1, le=65536, description="open connections at once")
+    listen_backlog: int = Field(default=512, ge=128, le=65535, description="connections not yet accepted")
+    keep_alive_timeout_s: float = Field(default=5.0, gt=0, description="idle time between requests")
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="absolute deadline for a request's headers, however they trickle"
+    )
+    max_header_bytes: int = Field(default=16384, ge=1024, le=1 << 20, description="request line + headers")
+    stall_timeout_s: float = Field(
+        default=30.0, gt=0, description="a client that reads nothing for this long is cancelled"
+    )
+    # Access.
+    api_keys_file: Path | None = Field(
+        default=None, description="hashed bearer keys; default <root>/etc/sits/api-keys"
+    )
+    metrics_auth: Literal["api-key", "none"] = Field(
+        default="api-key", description="/metrics: needs a key when the API does, or never"
+    )
+    admin_socket: Path | None = Field(
+        default=None, description="the reload endpoint's unix socket; default <root>/run/sits/admin.sock"
+    )
+    tls_certfile: Path | None = None
+    tls_keyfile: Path | None = None
     root: Path = Field(default=Path("/"), description="prefix of /etc/sits and /var/lib/sits")
     engine: Literal["torch", "llama.cpp"] = "torch"
     device: Literal["cpu", "cuda"] = "cpu"
@@ -73,6 +102,31 @@ class AgentSettings(BaseModel):
                 f"({self.context_length}) to leave room for the answer"
             )
         return self
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> AgentSettings:
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("tls_certfile and tls_keyfile go together: give both for HTTPS, or neither")
+        return self
+
+    @property
+    def api_keys_path(self) -> Path:
+        """Where the hashed API keys are read from."""
+        return self.api_keys_file or self.root / "etc" / "sits" / "api-keys"
+
+    @property
+    def admin_socket_path(self) -> Path:
+        """The unix socket of the admin surface (POST /admin/reload)."""
+        return self.admin_socket or self.root / "run" / "sits" / "admin.sock"
+
+    @property
+    def loopback_only(self) -> bool:
+        """The API listens on a loopback address only (no API key is required then)."""
+        try:
+            address = ipaddress.ip_address(self.host)
+        except ValueError:
+            return self.host == "localhost"
+        return address.is_loopback
 
     @property
     def state_dir(self) -> Path:

@@ -73,6 +73,19 @@ def build_artifact(request: BuildRequest, *, progress: BuildProgress | None = No
         progress.close()
 
 
+def find_built(request: BuildRequest) -> BuildResult | None:
+    """The artifact `request` describes if it was built before (intact in the store), else None.
+
+    Read-only: it hashes the source and looks the inputs up; it never quantizes or writes. Raises
+    SourceModelError for a bad source.
+    """
+    source = open_source(request.source_dir)
+    artifact_id = Store(request.store_dir).lookup(build_key(_cache_inputs(request, source_sha256(source))))
+    if artifact_id is None:
+        return None
+    return _cached(request, Store(request.store_dir), artifact_id, time.perf_counter())
+
+
 def _build(request: BuildRequest, progress: BuildProgress, started: float) -> BuildResult:
     source = open_source(request.source_dir)
     progress.stage(f"hashing source {source.path}")

@@ -13,7 +13,46 @@ from deployer.cli.common import console, emit_json, examples, info, output_optio
 from deployer.errors import QualityGateError
 
 if TYPE_CHECKING:
-    pass
+    from deployer.build.progress import BuildProgress
+
+PROGRESS_STEP_PCT = 10  # a plain progress line each time this much more of the source is done
+
+
+class LineProgress:
+    """Build progress as plain lines, for a log or a pipe (a progress bar shows only on a terminal)."""
+
+    def __init__(self) -> None:
+        self._done = self._total = self._bytes = self._total_bytes = 0
+        self._next_pct = PROGRESS_STEP_PCT
+
+    def stage(self, text: str) -> None:
+        """Print the phase on its own line."""
+        info(text)
+
+    def start_tensors(self, total: int, total_bytes: int) -> None:
+        """Remember the totals that the lines report against."""
+        self._total, self._total_bytes = total, max(total_bytes, 1)
+
+    def tensor_done(self, name: str, nbytes: int) -> None:
+        """Print a line at each PROGRESS_STEP_PCT percent of the source bytes."""
+        self._done += 1
+        self._bytes += nbytes
+        pct = 100 * self._bytes // self._total_bytes
+        if pct >= self._next_pct:
+            info(f"quantized {self._done}/{self._total} tensors ({pct}%)")
+            self._next_pct = (pct // PROGRESS_STEP_PCT + 1) * PROGRESS_STEP_PCT
+
+    def close(self) -> None:
+        """Nothing to remove."""
+
+
+def build_progress(output: str) -> BuildProgress | None:
+    """A bar on a terminal, plain lines otherwise; nothing with --output json or -q."""
+    from deployer.build.progress import RichProgress
+
+    if output != "text" or verbosity() < 0:
+        return None
+    return RichProgress(console()) if console().is_terminal else LineProgress()
 
 
 def result_json(result: BuildResult) -> dict[str, Any]:
@@ -56,13 +95,11 @@ def build(config_path: Path, no_cache: bool, output: str) -> None:
     The build fails (exit 1, nothing stored) when the quality gate's limits are passed.
     """
     from deployer.build.pipeline import build_artifact
-    from deployer.build.progress import RichProgress
     from deployer.config import load_config
 
-    request = request_from_config(load_config(config_path), use_cache=not no_cache)
-    show = output == "text" and verbosity() >= 0
+    request = request_from_config(load_config(config_path, secrets=False), use_cache=not no_cache)
     try:
-        result = build_artifact(request, progress=RichProgress(console()) if show else None)
+        result = build_artifact(request, progress=build_progress(output))
     except QualityGateError as exc:
         if output == "json":
             emit_json({"ok": False, "error": "quality gate failed", "quality": exc.report})

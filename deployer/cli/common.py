@@ -14,9 +14,10 @@ from rich.text import Text
 from deployer.core.clikit import emit_json, examples, output_option, verbosity
 from deployer.core.redact import redact
 
-__all__ = ["console", "debug", "emit_json", "examples", "info", "output_option", "verbosity"]
+__all__ = ["console", "debug", "emit_json", "examples", "info", "output_option", "stdout", "verbosity"]
 
 _stderr: Console | None = None
+_stdout: Console | None = None
 
 
 class _RedactingConsole(Console):
@@ -33,6 +34,19 @@ def console() -> Console:
     if _stderr is None:
         _stderr = _RedactingConsole(stderr=True, highlight=False, soft_wrap=True)
     return _stderr
+
+
+def stdout() -> Console:
+    """The console for data (tables) on stdout: `status | grep dev1` finds the device's row.
+
+    Piped, it is wide enough that a table's columns are not squeezed into 80 characters.
+    """
+    global _stdout
+    if _stdout is None:
+        _stdout = Console(highlight=False, soft_wrap=False)
+        if not _stdout.is_terminal:
+            _stdout = Console(highlight=False, width=max(_stdout.width, 200))
+    return _stdout
 
 
 def info(message: str) -> None:

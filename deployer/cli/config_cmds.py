@@ -46,7 +46,7 @@ def validate(ctx: click.Context, file: Path, output: str) -> None:
         for finding in result.findings:
             console().print(str(finding), markup=False)
     if result.config is None:
-        count = len(result.findings)
+        count = sum(f.is_error for f in result.findings)
         console().print(f"[red]{count} problem{'s' if count != 1 else ''}[/red] in {file}")
         ctx.exit(1)
     devices = len(result.config.fleet.devices)
@@ -63,7 +63,9 @@ def validate(ctx: click.Context, file: Path, output: str) -> None:
 def init(directory: Path, force: bool, output: str) -> None:
     """Create a working project: deploy.yaml, inventory.yaml, a hook, keys/ and the schemas.
 
-    The project validates as written: two local demo devices and the builtin demo model.
+    Two local devices (directories under .sits/fleet/, each with a free port of this machine)
+    and the builtin demo model. Signing is configured but init writes no key: make it with
+    `sits-deployer keygen -o keys/release`, and the project validates, applies and serves.
     """
     from deployer.config.scaffold import scaffold_project
 
@@ -73,7 +75,7 @@ def init(directory: Path, force: bool, output: str) -> None:
         return
     for path in written:
         info(f"  wrote {path}")
-    info(f"next: sits-deployer validate -f {directory / 'deploy.yaml'}")
+    info(f"next: cd {directory} && sits-deployer keygen -o keys/release && sits-deployer validate")
 
 
 @click.command(

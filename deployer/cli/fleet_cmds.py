@@ -1,4 +1,5 @@
-"""`plan`, `apply`, `rollback`, `status`, `logs`: thin wrappers over deployer.push.fleet, one call each."""
+"""`plan`, `apply`, `rollback`, `status`, `logs`, `down`, `gc`: thin wrappers over deployer.push, one
+call each. Tables and JSON (data) go to stdout, progress and messages to stderr."""
 
 from __future__ import annotations
 
@@ -6,15 +7,21 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
-from deployer.cli.common import console, emit_json, examples, info, output_option, verbosity
+from deployer.cli.common import console, emit_json, examples, info, output_option, stdout, verbosity
 from deployer.errors import SitsError
+
+if TYPE_CHECKING:
+    from deployer.push.executor import RolloutReport
+    from deployer.push.fleet import FleetPlan, FleetSession
+    from deployer.push.plan import Plan
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,17 +56,30 @@ def _selector(pairs: tuple[str, ...]) -> dict[str, str] | None:
     return dict(p.split("=", 1) for p in pairs)
 
 
-def _fleet(config_path: Path, selector: tuple[str, ...], names: tuple[str, ...], parallel: int):
+def _fleet(
+    config_path: Path,
+    selector: tuple[str, ...],
+    names: tuple[str, ...],
+    parallel: int,
+    *,
+    secrets: bool = False,
+) -> FleetSession:
+    """The selected fleet; `secrets` for the commands that sign (apply, rollback): only they need
+    the signing key's passphrase."""
     from deployer.config import load_config
     from deployer.push.fleet import FleetSession
 
     return FleetSession.select(
-        load_config(config_path), selector=_selector(selector), names=names, parallel=parallel
+        load_config(config_path, secrets=secrets),
+        selector=_selector(selector),
+        names=names,
+        parallel=parallel,
     )
 
 
-def _plan_table(plan: Any) -> Table:
-    table = Table(title=f"plan: {plan.target_version} ({plan.target_sha256[:12]})", title_justify="left")
+def _plan_table(plan: Plan) -> Table:
+    artifact = plan.target_sha256[:12] or "not built"
+    table = Table(title=f"plan: {plan.target_version} ({artifact})", title_justify="left")
     for column in ("device", "status", "from", "to", "steps", "bytes", "reason"):
         table.add_column(column)
     for d in plan.devices:
@@ -71,30 +91,48 @@ def _plan_table(plan: Any) -> Table:
             d.to_version,
             steps,
             f"{d.bytes_to_send:,}",
-            d.reason,
+            escape(d.reason),
         )
     return table
 
 
-def _print_plan(plan: Any) -> None:
-    """The plan table; with -v, every step's actions under it (what apply runs, in order)."""
-    console().print(_plan_table(plan))
+def _print_plan(plan: Plan, output: str) -> None:
+    """The plan on stdout: JSON, or the table and, with -v, every step's actions under it (what
+    apply runs, in order)."""
+    if output == "json":
+        emit_json(plan.to_dict())
+        return
+    stdout().print(_plan_table(plan))
     if verbosity() < 1:
         return
     for d in plan.devices:
         for step in d.steps:
-            console().print(f"{d.device}  {step.kind.value}: {step.reason}", markup=False)
+            stdout().print(f"{d.device}  {step.kind.value}: {step.reason}", markup=False)
             for action in step.actions:
-                console().print(f"    {action.describe()}", markup=False)
+                stdout().print(f"    {action.describe()}", markup=False)
 
 
-def _report_table(report: Any) -> Table:
+def _drift(fleet: FleetSession, plan: Plan, *, signing: bool) -> SitsError | None:
+    """What a real apply of `plan` would refuse or fail on, or None; `signing`: also a missing
+    signing key (not for a drift check, which runs where no key is)."""
+    from deployer.push.fleet import apply_failures, apply_refusal
+
+    refusal = apply_refusal(fleet.config, plan, signing=signing)
+    if refusal is not None:
+        return SitsError(f"a real apply would refuse: {refusal.message}", hint=refusal.hint)
+    failures = apply_failures(plan)
+    if failures is not None:
+        return SitsError(f"a real apply would fail: {failures.message}", hint=failures.hint)
+    return None
+
+
+def _report_table(report: RolloutReport) -> Table:
     table = Table(title=f"{report.action} {report.target_version} ({report.strategy})", title_justify="left")
     for column in ("device", "result", "version", "phase", "sent", "error"):
         table.add_column(column)
     for r in report.results:
         table.add_row(
-            r.device, r.status, r.version or "-", r.phase, f"{r.bytes_sent:,}", (r.error or "")[:160]
+            r.device, r.status, r.version or "-", r.phase, f"{r.bytes_sent:,}", escape((r.error or "")[:160])
         )
     return table
 
@@ -118,17 +156,34 @@ class _Board:
         table.add_column("phase")
         table.add_column("detail")
         for device, (phase, detail) in sorted(self.rows.items()):
-            table.add_row(device, phase, detail)
+            table.add_row(device, phase, escape(detail))
         return table
 
 
-def _execute(fleet: Any, fp: Any, action: str, output: str) -> None:
+def _on_phase(board: _Board | None) -> Callable[[str, str, str], None]:
+    """Progress from the executor's worker threads: the live board on a terminal, else one line per
+    phase; a hook's output (phase "<hook> output") only with -v. The verbosity is read here: the
+    click context is not visible in the worker threads."""
+    level = verbosity()
+
+    def on_phase(device: str, phase: str, detail: str) -> None:
+        if phase.endswith(" output"):
+            if level >= 1:
+                console().print(f"{device}: {phase}:\n{detail.rstrip()}", markup=False)
+        elif board is not None:
+            board.update(device, phase, detail)
+        elif level >= 0:
+            console().print(f"{device}: {phase} {detail}".rstrip(), markup=False)
+
+    return on_phase
+
+
+def _execute(fleet: FleetSession, fp: FleetPlan, action: str, output: str) -> None:
     from deployer.push.fleet import apply_plan
 
     show = output == "text" and verbosity() >= 0 and console().is_terminal
     board = _Board() if show else None
-    verbose = verbosity() > 0  # read here: the click context is not visible in the worker threads
-    on_phase = board.update if board else (lambda d, p, x: info(f"{d}: {p} {x}") if verbose else None)
+    on_phase = _on_phase(board)
     project = Path(__file__).resolve().parents[2]
     try:
         if board:
@@ -141,9 +196,9 @@ def _execute(fleet: Any, fp: Any, action: str, output: str) -> None:
     if output == "json":
         emit_json(report.to_dict())
     else:
-        console().print(_report_table(report))
+        stdout().print(_report_table(report))
         if report.halted:
-            console().print(f"[red]halted:[/red] {report.halted}")
+            console().print(f"[red]halted:[/red] {escape(report.halted)}")
     if report.exit_code:
         sys.exit(report.exit_code)
 
@@ -153,7 +208,7 @@ def _execute(fleet: Any, fp: Any, action: str, output: str) -> None:
         "sits-deployer plan -f deploy.yaml",
         "sits-deployer plan -f deploy.yaml --output json",
         "sits-deployer plan -f deploy.yaml -o plan.json",
-        "sits-deployer plan -f deploy.yaml --detailed-exitcode   # 0 none, 2 changes",
+        "sits-deployer plan -f deploy.yaml --detailed-exitcode   # 0 none, 2 drift, 1 apply would refuse",
     )
 )
 @_fleet_options
@@ -161,7 +216,9 @@ def _execute(fleet: Any, fp: Any, action: str, output: str) -> None:
     "-o", "--out", type=click.Path(path_type=Path, dir_okay=False), help="Also write the plan here."
 )
 @click.option(
-    "--detailed-exitcode", is_flag=True, help="Exit 0 when nothing changes, 2 when changes are pending."
+    "--detailed-exitcode",
+    is_flag=True,
+    help="Exit 0 when the fleet matches, 2 when it drifted, 1 when apply would refuse.",
 )
 @output_option
 def plan(
@@ -173,22 +230,31 @@ def plan(
     detailed_exitcode: bool,
     output: str,
 ) -> None:
-    """Show what apply would change on each device, and why. Changes nothing."""
+    """Show what apply would change on each device, and why. Changes nothing, builds nothing, signs
+    nothing and needs no passphrase: an artifact not built yet is a pending change.
+
+    With --detailed-exitcode: 0 the fleet matches, 2 it does not (changes pending, or devices
+    offline under strategy.offline: skip), 1 apply would refuse or fail (devices offline under
+    offline: fail, devices that cannot take the update) or an error.
+    """
     from deployer.push.fleet import plan_fleet, write_plan_file
-    from deployer.release.desired import build_target
+    from deployer.release.desired import built_target
 
     fleet = _fleet(config_path, selector, names, parallel)
     try:
-        fp = plan_fleet(fleet, build_target(fleet.config))
+        fp = plan_fleet(fleet, built_target(fleet.config))
     finally:
         fleet.close()
+    _print_plan(fp.plan, output)
     if out is not None:
+        fp.built_target()  # a plan made before the build cannot be applied: no file for it
         write_plan_file(fp, config_path, out, _selector(selector) or {}, names)
-    if output == "json":
-        emit_json(fp.plan.to_dict())
-    else:
-        _print_plan(fp.plan)
-    if detailed_exitcode and fp.plan.has_changes:
+    problem = _drift(fleet, fp.plan, signing=False)
+    if problem is not None:
+        console().print(f"[yellow]warning:[/yellow] {escape(problem.message)}")
+    if detailed_exitcode and problem is not None:
+        sys.exit(1)
+    if detailed_exitcode and not fp.plan.converged:
         sys.exit(2)
 
 
@@ -202,7 +268,7 @@ def plan(
 )
 @click.argument("plan_file", required=False, type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @_fleet_options
-@click.option("--dry-run", is_flag=True, help="Print the plan and stop.")
+@click.option("--dry-run", is_flag=True, help="Plan as `plan` does, and exit 1 if a real apply would refuse.")
 @click.option("--force-unlock", metavar="LOCK_ID", help="Remove a lock left by a killed run (needs its id).")
 @output_option
 def apply(
@@ -215,21 +281,41 @@ def apply(
     force_unlock: str | None,
     output: str,
 ) -> None:
-    """Make the fleet match deploy.yaml (or execute a saved plan.json), by the configured strategy."""
-    from deployer.push.fleet import check_plan_file, check_unchanged, load_plan_file, plan_fleet
-    from deployer.push.state import force_unlock as unlock
-    from deployer.release.desired import build_target
+    """Make the fleet match deploy.yaml (or execute a saved plan.json), by the configured strategy.
 
+    --dry-run plans as `plan` does (it builds and signs nothing) and exits 1 when a real apply
+    would refuse or fail (devices offline under strategy.offline: fail, devices that cannot take
+    the update, no signing key), else 0.
+    """
+    from deployer.cli.build_cmds import build_progress
+    from deployer.push.fleet import (
+        check_plan_config,
+        check_plan_file,
+        check_unchanged,
+        load_plan_file,
+        plan_fleet,
+    )
+    from deployer.push.state import force_unlock as unlock
+    from deployer.release.desired import build_target, built_target
+
+    if plan_file is not None and plan_file.suffix in {".yaml", ".yml"}:
+        raise click.UsageError(
+            f"{plan_file} is a config, not a plan file: use `sits-deployer apply -f {plan_file}`"
+        )
     saved = load_plan_file(plan_file) if plan_file else None
     if saved is not None:
         config_path, selector = Path(saved["config"]), tuple(f"{k}={v}" for k, v in saved["selector"].items())
         names = tuple(saved["devices"])
-    fleet = _fleet(config_path, selector, names, parallel)
-    if force_unlock:
+        check_plan_config(saved)  # before any facts or build: a stale file fails fast
+    fleet = _fleet(config_path, selector, names, parallel, secrets=not dry_run)
+    if force_unlock and not dry_run:
         held = unlock(fleet.sits_dir, force_unlock)
         info(f"removed lock {held.lock_id} ({held.command}, pid {held.pid} on {held.host})")
     try:
-        fp = plan_fleet(fleet, build_target(fleet.config))
+        # A real apply builds first when the artifact is not cached (with build's progress lines).
+        progress = build_progress(output)
+        target = built_target(fleet.config) if dry_run else build_target(fleet.config, progress=progress)
+        fp = plan_fleet(fleet, target)
     except SitsError:
         fleet.close()
         raise
@@ -237,13 +323,13 @@ def apply(
         check_plan_file(saved, fp)
     if dry_run or not fp.plan.has_changes:
         fleet.close()
-        if output == "json":
-            emit_json(fp.plan.to_dict())
-        else:
-            _print_plan(fp.plan)
+        _print_plan(fp.plan, output)
+        problem = _drift(fleet, fp.plan, signing=True) if dry_run else None
+        if problem is not None:
+            raise SitsError(f"dry run: {problem.message}", hint=problem.hint)
         if not dry_run:
             check_unchanged(fleet, fp)
-        info("no changes" if not fp.plan.has_changes else "dry run: nothing was changed")
+        info("dry run: nothing was changed" if fp.plan.has_changes else "no changes")
         return
     _execute(fleet, fp, "apply", output)
 
@@ -266,10 +352,13 @@ def rollback(
     to_version: str | None,
     output: str,
 ) -> None:
-    """Return devices to an earlier version, as a NEW signed release (anti-rollback stays on)."""
+    """Return devices to an earlier version, as a NEW signed release (anti-rollback stays on).
+
+    A device that still has that version on disk gets only the signed manifest: a pointer switch.
+    """
     from deployer.push.fleet import plan_fleet, rollback_target
 
-    fleet = _fleet(config_path, selector, names, parallel)
+    fleet = _fleet(config_path, selector, names, parallel, secrets=True)
     try:
         target = rollback_target(fleet.config, to_version, fleet.facts())
         fp = plan_fleet(fleet, target, rollback=True)
@@ -293,7 +382,7 @@ def rollback(
 def status(
     config_path: Path, selector: tuple[str, ...], names: tuple[str, ...], parallel: int, output: str
 ) -> None:
-    """Device, version, health and last result of each device."""
+    """Device, version, health and last result of each device (a table on stdout). No passphrase."""
     from deployer.push.fleet import fleet_status
 
     fleet = _fleet(config_path, selector, names, parallel)
@@ -311,7 +400,7 @@ def status(
         table.add_row(
             *(str(row[c] or "-") for c in ("device", "version", "health", "agent", "last_result", "error"))
         )
-    console().print(table)
+    stdout().print(table)
 
 
 @click.command(
@@ -328,7 +417,8 @@ def status(
 @click.option("--since", help="journalctl --since (systemd devices), e.g. '10 min ago'.")
 @click.option("--follow", is_flag=True, help="Keep printing new lines (Ctrl-C to stop).")
 def logs(device: str, config_path: Path, since: str | None, follow: bool) -> None:
-    """Print the agent's log of one device (journalctl -u sits-agent, or its log file)."""
+    """Print the agent's log of one device (journalctl -u sits-agent, or its log file); --follow
+    streams new lines as they are written. No passphrase."""
     from deployer.push.bootstrap import log_command
     from deployer.push.facts import gather_facts
 
@@ -337,10 +427,94 @@ def logs(device: str, config_path: Path, since: str | None, follow: bool) -> Non
     transport = fleet.transport(site)
     try:
         facts = gather_facts(site, transport)
+        if not facts.reachable:
+            raise SitsError(f"{device} is offline: {facts.error}")
         command = log_command(site, systemd=facts.systemd, since=since, follow=follow)
-        result = transport.run(command, timeout=24 * 3600 if follow else 60)
+        if follow:
+
+            def write(text: str) -> None:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+
+            rc = transport.stream(command, write)
+            if rc != 0:
+                raise SitsError(f"{device}: {command} exited {rc}")
+            return
+        result = transport.run(command, timeout=60)
     finally:
         fleet.close()
     sys.stdout.write(result.stdout)
     if not result.ok:
         raise SitsError(f"{device}: {command} failed: {result.stderr.strip()[-300:]}")
+
+
+@click.command(
+    epilog=examples(
+        "sits-deployer down -f deploy.yaml",
+        "sits-deployer down -f deploy.yaml --device dev2",
+    )
+)
+@_fleet_options
+@output_option
+def down(
+    config_path: Path, selector: tuple[str, ...], names: tuple[str, ...], parallel: int, output: str
+) -> None:
+    """Stop the agents of the selected devices (systemd units, or the local background agents).
+
+    Installed versions stay on the devices; the next apply starts the agents again. No passphrase.
+    """
+    from deployer.push.lifecycle import stop_fleet
+
+    fleet = _fleet(config_path, selector, names, parallel)
+    try:
+        results = stop_fleet(fleet)
+    finally:
+        fleet.close()
+    if output == "json":
+        emit_json([r.__dict__ for r in results])
+    else:
+        table = Table()
+        for column in ("device", "result", "detail"):
+            table.add_column(column)
+        for r in results:
+            table.add_row(r.device, r.status, r.detail)
+        stdout().print(table)
+    if any(r.status == "failed" for r in results):
+        sys.exit(1)
+
+
+@click.command(
+    epilog=examples(
+        "sits-deployer gc -f deploy.yaml",
+        "sits-deployer gc -f deploy.yaml --keep 1",
+    )
+)
+@click.option(
+    "-f", "--file", "config_path", type=click.Path(path_type=Path, dir_okay=False), default="deploy.yaml"
+)
+@click.option(
+    "--keep", default=2, show_default=True, type=click.IntRange(min=0), help="Released versions to keep."
+)
+@output_option
+def gc(config_path: Path, keep: int, output: str) -> None:
+    """Delete controller artifacts and patches (.sits/) that no device runs, that deploy.yaml does not
+    name, and that are not among the last --keep released versions. Needs every device reachable."""
+    from deployer.push.lifecycle import collect_store
+
+    fleet = _fleet(config_path, (), (), 4)
+    try:
+        facts = fleet.facts()
+    finally:
+        fleet.close()
+    offline = [f.name for f in facts if not f.reachable]
+    if offline:
+        raise SitsError(
+            f"cannot tell what {', '.join(offline)} run(s): nothing was deleted",
+            hint="bring the devices back and run gc again",
+        )
+    removed = collect_store(fleet.config, [f.model_sha256 for f in facts if f.model_sha256], keep)
+    if output == "json":
+        emit_json([str(p) for p in removed])
+    for path in removed:
+        info(f"removed {path}")
+    info(f"{len(removed)} item(s) removed")

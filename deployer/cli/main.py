@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
 import traceback
 
@@ -34,6 +35,8 @@ COMMANDS: dict[str, str] = {
     "rollback": "deployer.cli.fleet_cmds:rollback",
     "status": "deployer.cli.fleet_cmds:status",
     "logs": "deployer.cli.fleet_cmds:logs",
+    "down": "deployer.cli.fleet_cmds:down",
+    "gc": "deployer.cli.fleet_cmds:gc",
 }
 
 
@@ -48,7 +51,7 @@ class LazyGroup(click.Group):
         if target is None or not _available(cmd_name):
             return None
         module, _, attr = target.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return _with_verbosity_flags(getattr(importlib.import_module(module), attr))
 
     def invoke(self, ctx: click.Context) -> object:
         # Everything a command prints passes the redaction of the secrets it learns (core/redact.py).
@@ -61,6 +64,64 @@ class LazyGroup(click.Group):
             except KeyboardInterrupt:
                 console().print("[red]error:[/red] interrupted")
                 sys.exit(130)
+            except (click.exceptions.Exit, click.ClickException, SystemExit):
+                raise
+            except Exception as exc:  # a bug or a foreign error: one line, the traceback only with -v
+                if _verbosity(ctx) >= 1:
+                    raise
+                from rich.markup import escape
+
+                console().print(f"[red]error:[/red] {escape(type(exc).__name__)}: {escape(str(exc))}")
+                console().print("[yellow]hint:[/yellow] run again with -v for the traceback")
+                sys.exit(1)
+
+
+def _verbosity(ctx: click.Context) -> int:
+    return int((ctx.find_root().obj or {}).get("verbosity", 0))
+
+
+def _set_verbosity(ctx: click.Context, param: click.Parameter, value: int) -> None:
+    """-v/-q given after the subcommand count as if given before it."""
+    if not value:
+        return
+    root = ctx.find_root()
+    root.obj = root.obj or {"verbosity": 0}
+    if param.name == "sub_quiet":
+        root.obj["verbosity"] = -1
+    else:
+        root.obj["verbosity"] = max(root.obj["verbosity"], 0) + int(value)
+    _configure_logging(root.obj["verbosity"])
+
+
+def _with_verbosity_flags(command: click.Command) -> click.Command:
+    """Give a subcommand its own -v/-q (once), feeding the root's verbosity."""
+    if not any(p.name == "sub_verbose" for p in command.params):
+        command.params.append(
+            click.Option(
+                ["-v", "--verbose", "sub_verbose"],
+                count=True,
+                expose_value=False,
+                callback=_set_verbosity,
+                help="More detail on stderr (repeatable).",
+            )
+        )
+        command.params.append(
+            click.Option(
+                ["-q", "--quiet", "sub_quiet"],
+                is_flag=True,
+                expose_value=False,
+                callback=_set_verbosity,
+                help="Only errors on stderr.",
+            )
+        )
+    return command
+
+
+def _configure_logging(verbosity: int) -> None:
+    """Libraries log through `logging`: paramiko prints whole tracebacks of failed connections at
+    ERROR. Our errors already say what failed, so their logs show only with -v."""
+    level = logging.DEBUG if verbosity >= 2 else logging.INFO if verbosity == 1 else logging.CRITICAL + 1
+    logging.basicConfig(level=level, format="%(name)s: %(message)s", force=True)
 
 
 def _available(name: str) -> bool:
@@ -73,6 +134,8 @@ def report_error(exc: SitsError) -> None:
     from rich.markup import escape
 
     # Escaped: brackets in messages are text (`pip install 'sits-deployer[llamacpp]'`), not markup.
+    for finding in getattr(exc, "findings", None) or []:
+        console().print(redact(str(finding)), markup=False, highlight=False)
     console().print(f"[red]error:[/red] {escape(redact(exc.message))}", markup=True)
     if exc.hint:
         console().print(f"[yellow]hint:[/yellow] {escape(redact(exc.hint))}")
@@ -95,6 +158,7 @@ def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
     and the hooks; sits-deployer makes the fleet match it.
     """
     ctx.obj = {"verbosity": -1 if quiet else verbose}
+    _configure_logging(ctx.obj["verbosity"])
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ that validated, so one broken section does not hide the problems of the others.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from collections.abc import Mapping
@@ -53,6 +54,7 @@ class CheckInput:
     resources: Resources | None = None
     hooks: Hooks | None = None
     agent: AgentSettings | None = None
+    secrets: bool = True  # False for commands that sign nothing: an encrypted key is not opened
 
     @property
     def fleet(self) -> list[Device] | None:
@@ -70,6 +72,7 @@ class CheckInput:
 def run_checks(given: CheckInput) -> list[Finding]:
     """Every semantic finding for the sections in ``given``."""
     findings = _device_findings(given) + _hook_findings(given) + _signing_findings(given)
+    findings += _collision_findings(given)
     findings += _strategy_findings(given) + fit.plausibility_findings(
         given.profiles, given.resources, given.positions
     )
@@ -125,6 +128,38 @@ def _device_findings(given: CheckInput) -> list[Finding]:
             value = getattr(device, field)
             if value is not None and not given.resolve(value).is_file():
                 findings.append(_missing_file(given, (*at, field), value))
+    return findings
+
+
+def _collision_findings(given: CheckInput) -> list[Finding]:
+    """Two devices on one host cannot share an agent port or a root: every request meant for the
+    second would reach the first's agent, and their stores would overwrite each other."""
+    fleet, agent = given.fleet, given.agent
+    if fleet is None or agent is None:
+        return []
+    findings: list[Finding] = []
+    seen: dict[tuple[str, str, object], int] = {}
+    for index, device in enumerate(fleet):
+        local = device.transport == "local"
+        host = "this machine" if local else (device.host or device.name)
+        root = str(given.resolve(device.root).resolve()) if local else device.root.rstrip("/") or "/"
+        port = device.agent_port or agent.port
+        for field, value, fix in (
+            ("agent_port", port, "give each device on one host its own agent_port"),
+            ("root", root, "give each device on one host its own root directory"),
+        ):
+            key = (host, field, value)
+            if key in seen:
+                other = fleet[seen[key]].name
+                at = ("fleet", "devices", index, field)
+                findings.append(
+                    given.positions.finding(
+                        at,
+                        f"device '{device.name}' has the same {field} as '{other}' on {host}: {value}",
+                        fix,
+                    )
+                )
+            seen.setdefault(key, index)
     return findings
 
 
@@ -231,14 +266,27 @@ def _int4_group_sizes(quant: Quantization) -> list[tuple[tuple, int]]:
 def _signing_findings(given: CheckInput) -> list[Finding]:
     signing = given.signing
     if signing is None:
-        return []
+        if not given.fleet:
+            return []
+        missing = given.positions.finding(
+            ("signing",),
+            "no signing section: apply and rollback will refuse, since they sign every release and "
+            "devices install only signed ones",
+            "run `sits-deployer keygen -o keys/release`, then add signing: {private_key: "
+            "keys/release.key, trusted_keys: [keys/release.pub]}",
+        )
+        return [dataclasses.replace(missing, severity="warning")]
     findings = []
     for index, key in enumerate(signing.trusted_keys):
         problem = public_key_problem(given.resolve(key), key)
         findings += _key_finding(given, ("signing", "trusted_keys", index), problem)
     if signing.private_key is not None:
         problem = private_key_problem(
-            given.resolve(signing.private_key), signing.private_key, signing.passphrase_env, given.environ
+            given.resolve(signing.private_key),
+            signing.private_key,
+            signing.passphrase_env,
+            given.environ,
+            secrets=given.secrets,
         )
         findings += _key_finding(given, ("signing", "private_key"), problem)
     if signing.threshold > len(signing.trusted_keys):

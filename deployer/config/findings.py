@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 PathPart = str | int
 FieldPath = tuple[PathPart, ...]
@@ -34,10 +35,18 @@ class Finding:
     path: str
     message: str
     hint: str | None = None
+    # "warning": the config loads and validate passes, but a later command will need this fixed.
+    severity: Literal["error", "warning"] = "error"
 
     def __str__(self) -> str:
-        text = f"{self.file}:{self.line}:{self.column}: {self.path}: {self.message}"
+        warning = "warning: " if self.severity == "warning" else ""
+        text = f"{self.file}:{self.line}:{self.column}: {self.path}: {warning}{self.message}"
         return f"{text} ({self.hint})" if self.hint else text
+
+    @property
+    def is_error(self) -> bool:
+        """Whether this finding makes the config invalid."""
+        return self.severity == "error"
 
     def to_dict(self) -> dict[str, object]:
         """The finding as a JSON-ready mapping (the `--output json` element)."""
@@ -48,6 +57,7 @@ class Finding:
             "path": self.path,
             "message": self.message,
             "hint": self.hint,
+            "severity": self.severity,
         }
 
 

@@ -9,6 +9,7 @@ instead. ``$${`` writes a literal ``${``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ def redact_finding(finding: Finding) -> Finding:
     """``finding`` with every interpolated value (of any file read so far) in its message and
     hint replaced."""
     hint = redact(finding.hint) if finding.hint else finding.hint
-    return Finding(finding.file, finding.line, finding.column, finding.path, redact(finding.message), hint)
+    return dataclasses.replace(finding, message=redact(finding.message), hint=hint)
 
 
 def interpolate(data: Any, positions: SourceMap, environ: Mapping[str, str]) -> Interpolated:

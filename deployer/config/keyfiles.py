@@ -47,16 +47,20 @@ def public_key_problem(path: Path, shown: str) -> KeyProblem | None:
 
 
 def private_key_problem(
-    path: Path, shown: str, passphrase_env: str, environ: Mapping[str, str]
+    path: Path, shown: str, passphrase_env: str, environ: Mapping[str, str], *, secrets: bool = True
 ) -> KeyProblem | None:
-    """Why the file at ``path`` cannot serve as the EC P-256 signing key, if it cannot."""
+    """Why the file at ``path`` cannot serve as the EC P-256 signing key, if it cannot.
+
+    With ``secrets`` false (commands that sign nothing), an encrypted key is not opened, so its
+    passphrase need not be set.
+    """
     data, problem = _read(path, shown)
     if data is None:
         return problem
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except TypeError:  # encrypted: only a passphrase opens it
-        return _encrypted_key_problem(data, shown, passphrase_env, environ)
+        return _encrypted_key_problem(data, shown, passphrase_env, environ) if secrets else None
     except ValueError:
         return KeyProblem(
             f"private key {shown} is not a PEM private key",
@@ -87,13 +91,22 @@ def _encrypted_key_problem(
 def _read(path: Path, shown: str) -> tuple[bytes | None, KeyProblem | None]:
     if not path.is_file():
         return None, KeyProblem(
-            f"key file {shown} does not exist", f"looked for {path}; create it with keygen"
+            f"key file {shown} does not exist",
+            f"looked for {path}; create the pair with `sits-deployer keygen -o {_prefix(shown)}`",
         )
     try:
         return path.read_bytes(), None
     except OSError as exc:
         problem = KeyProblem(f"key file {shown} cannot be read: {exc.strerror}", "check its permissions")
         return None, problem
+
+
+def _prefix(shown: str) -> str:
+    """The keygen prefix of a key file name (keys/release.key -> keys/release)."""
+    for suffix in (".key", ".pub"):
+        if shown.endswith(suffix):
+            return shown[: -len(suffix)]
+    return shown
 
 
 def _curve_problem(key: object, shown: str) -> KeyProblem | None:

@@ -50,11 +50,17 @@ class _Document:
     values: Interpolated
 
 
-def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
-    """Load and fully validate deploy.yaml; raise ConfigError whose ``findings`` lists them all."""
-    result = read_config(Path(path), os.environ if environ is None else environ)
+def load_config(
+    path: str | Path, environ: Mapping[str, str] | None = None, *, secrets: bool = True
+) -> Config:
+    """Load and fully validate deploy.yaml; raise ConfigError whose ``findings`` lists them all.
+
+    ``secrets=False`` is for commands that sign nothing (plan, status, logs): the signing key's
+    passphrase is then not needed.
+    """
+    result = read_config(Path(path), os.environ if environ is None else environ, secrets=secrets)
     if result.config is None:
-        count = len(result.findings)
+        count = sum(f.is_error for f in result.findings)
         raise ConfigError(
             f"{path}: {count} problem{'s' if count != 1 else ''} in the configuration",
             findings=result.findings,
@@ -68,7 +74,7 @@ def validate_file(path: str | Path, environ: Mapping[str, str] | None = None) ->
     return read_config(Path(path), os.environ if environ is None else environ).findings
 
 
-def read_config(path: Path, environ: Mapping[str, str]) -> LoadResult:
+def read_config(path: Path, environ: Mapping[str, str], *, secrets: bool = True) -> LoadResult:
     """Load ``path`` into a Config, or report why not. Bad input never raises."""
     main, findings = _read_document(path, environ)
     if main is None:
@@ -90,14 +96,16 @@ def read_config(path: Path, environ: Mapping[str, str]) -> LoadResult:
     inline = fleet.get("devices", []) if isinstance(fleet, dict) else []
     devices = [_valid(Device, d) for d in inline] if isinstance(inline, list) else None
     devices = None if devices is None or inventory is None else devices + inventory
-    given = CheckInput(path.parent, main.positions, environ, devices=devices, **_sections(data))
+    given = CheckInput(
+        path.parent, main.positions, environ, devices=devices, secrets=secrets, **_sections(data)
+    )
     findings = [redact_finding(f) for f in findings + run_checks(given)]
-    if findings or config is None or devices is None:
+    if any(f.is_error for f in findings) or config is None or devices is None:
         return LoadResult(None, sort_findings(findings))
     fleet_devices = [*config.fleet.devices, *(inventory or [])]
     merged = config.model_copy(update={"fleet": config.fleet.model_copy(update={"devices": fleet_devices})})
     merged._path = path
-    return LoadResult(merged, [])
+    return LoadResult(merged, sort_findings(findings))  # warnings only
 
 
 def max_config_bytes(environ: Mapping[str, str]) -> int:

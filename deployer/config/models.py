@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from ipaddress import IPv4Address
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     AfterValidator,
@@ -47,7 +47,7 @@ from deployer.config.quantity import (
     parse_percent,
 )
 
-API_VERSION = "sits.dev/v1"
+API_VERSION: Final = "sits.dev/v1"  # Final: its type is the Literal the models declare
 BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
 SEMVER_PATTERN = (
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
@@ -409,7 +409,7 @@ class Strategy(_Model):
 
     def resolved_steps(self, fleet_size: int) -> list[int]:
         """Cumulative device counts per step, ending at the whole fleet (canary default 1, 50%)."""
-        raw = self.steps if self.steps is not None else [1, "50%"]
+        raw: list[int | str] = self.steps if self.steps is not None else [1, "50%"]
         counts = [min(fleet_size, _count(step, fleet_size)) for step in raw]
         return counts if counts and counts[-1] == fleet_size else [*counts, fleet_size]
 
@@ -458,17 +458,45 @@ class Hooks(_Model):
     post_rollback: HookField = Field(default=None, alias="post-rollback")
 
 
+class ApiKeys(_Model):
+    """Where the controller finds the agent's bearer API keys: never in deploy.yaml itself.
+
+    `env` names an environment variable holding the keys (separated by commas or whitespace);
+    `file` a secrets file, one key per line (relative to deploy.yaml). The device stores only their
+    SHA-256 (/etc/sits/api-keys); the controller sends the first key with its own requests.
+    """
+
+    env: EnvName | None = None
+    file: FilePath | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ApiKeys:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env (a variable name) or file (a secrets file)")
+        return self
+
+
 class AgentSettings(_Model):
     """The device agent's serving settings."""
 
     engine: Literal["torch", "llama.cpp"] = "torch"
-    # Loopback by default: the API has no authentication, so serving the LAN is an explicit choice.
+    # Loopback by default; beyond it every route but /healthz and /readyz needs an API key.
     host: IPvAnyAddress = IPv4Address("127.0.0.1")
+    api_keys: ApiKeys | None = None
     port: Port = 8080
     max_concurrent: Annotated[int, Field(ge=1)] = 4
     queue_length: Annotated[int, Field(ge=0)] = 16
     max_tokens: Annotated[int, Field(ge=1)] = 512
     swap_policy: Literal["side-by-side", "unload-first", "auto"] = "auto"
+
+    @model_validator(mode="after")
+    def _keys_beyond_loopback(self) -> AgentSettings:
+        if not self.host.is_loopback and self.api_keys is None:
+            raise ValueError(
+                f"host {self.host} serves beyond loopback: set agent.api_keys (env or file) so that "
+                "the API needs a key"
+            )
+        return self
 
 
 class Config(_Model):

@@ -62,9 +62,15 @@ def _finding(
     if kind.endswith("_type"):
         message = f"{message}, got {_type_name(value)}"
     hint = None
-    if kind == "string_type" and isinstance(value, bool | int | float):
-        hint = f'quote it to make it text: "{value}"' if loc not in sources else None
+    if kind == "string_type" and isinstance(value, bool | int | float) and loc not in sources:
+        hint = _semver_hint(value) if loc[-1] == "version" else f'quote it to make it text: "{value}"'
     return positions.finding(loc, message, hint, key=at_key)
+
+
+def _semver_hint(value: Any) -> str:
+    """`version: 1.0` reads as a number; the fix is a semantic version, not just quotes."""
+    parts = [*str(value).split("."), "0", "0"][:3]
+    return f"write a semantic version MAJOR.MINOR.PATCH, e.g. {'.'.join(parts)}"
 
 
 def _type_name(value: Any) -> str:

@@ -42,7 +42,7 @@ def output_option(func: F) -> F:
         type=click.Choice(["text", "json"]),
         default="text",
         show_default=True,
-        help="text for people (stderr), json for machines (stdout).",
+        help="text for people, json for machines (one document on stdout).",
     )(func)
 
 

@@ -40,13 +40,16 @@ def client(target: Target, *, timeout_s: float = 120.0) -> OpenAI:
 
 def ask(target: Target, question: str, *, max_tokens: int = 32) -> tuple[str, str]:
     """One greedy chat completion: (answer text, model version that answered)."""
-    reply = client(target).chat.completions.create(
-        model="default",
+    api = client(target)
+    # The agent answers only for the model it serves; its bare name stays valid across a hot swap.
+    name = api.models.list().data[0].id.partition("@")[0]
+    reply = api.chat.completions.create(
+        model=name,
         messages=[{"role": "user", "content": question}],
         max_tokens=max_tokens,
         temperature=0,
     )
-    return (reply.choices[0].message.content or "").strip(), reply.model
+    return (reply.choices[0].message.content or "").strip(), reply.model.rpartition("@")[2]
 
 
 def serving(port: int) -> str:

@@ -25,6 +25,7 @@ write the store (install, rollback) as that user, so that every file there stays
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import posixpath
 import shlex
@@ -39,6 +40,7 @@ import yaml
 from deployer import __version__
 from deployer.config.models import Config
 from deployer.errors import AgentError, SitsError, TransportError
+from deployer.push.api_keys import API_KEYS_FILE, key_file, read_keys
 from deployer.push.facts import (
     AGENT_CONFIG,
     KEYS_DIR,
@@ -67,6 +69,7 @@ __all__ = [
     "log_command",
     "prepare_service_user",
     "send_release",
+    "short_admin_socket",
     "start_agent",
     "stop_agent",
     "store_command",
@@ -78,6 +81,8 @@ LOG_FILE = "/var/log/sits-agent.log"
 PID_FILE = "/run/sits-agent.pid"
 SERVICE_USER = "sits"  # User= of the units (deployer.push.units.UnitParams.user)
 STORE_DIR = "/var/lib/sits"
+ADMIN_SOCKET = "/run/sits/admin.sock"  # the agent's default, under its root (deployer.agent.settings)
+UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path is 108 with its NUL)
 _START_POLL_S = 0.5
 _JOB_POLL_S = 2.0
 
@@ -97,6 +102,9 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
         "latency_budget_ms": config.health.latency_budget_ms,
         "readiness_timeout_s": config.health.readiness_timeout.total_seconds(),
     }
+    socket = short_admin_socket(site)
+    if socket is not None:
+        settings["admin_socket"] = socket
     if config.resources.cpu is not None:
         # As many engine threads as whole CPUs in the quota: more threads than the quota allows
         # spin at llama.cpp's barriers while throttled (decode collapses to a few tokens/s).
@@ -106,9 +114,21 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
     )
 
 
+def short_admin_socket(site: DeviceSite) -> str | None:
+    """Where a local device's admin socket goes when `<root>/run/sits/admin.sock` is too long for a
+    unix socket (a project in a deep directory): a directory of its own under this user's home, as
+    the agent of a local device runs as this user. None: the default fits (or an SSH device)."""
+    if not site.local or len(site.path(ADMIN_SOCKET).encode()) <= UNIX_PATH_MAX:
+        return None
+    digest = hashlib.sha256(site.root.encode()).hexdigest()[:16]
+    return str(Path.home() / ".cache" / "sits-deployer" / "run" / digest / "admin.sock")
+
+
 def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[str, bytes]:
     """Device path -> content of every file the controller manages on this device."""
     files = {AGENT_CONFIG: agent_settings(config, site).encode()}
+    if config.agent.api_keys is not None:
+        files[API_KEYS_FILE] = key_file(read_keys(config))
     if config.signing:
         for key in config.signing.trusted_keys:
             path = config.resolve(key)

@@ -26,7 +26,7 @@ from deployer.errors import AgentError, SitsError
 from deployer.push.agent_control import AgentControl, RemoteAgent
 from deployer.push.bootstrap import desired_files, install_agent, prepare_service_user, store_command
 from deployer.push.facts import DeviceSite
-from deployer.push.hooks import PHASES, HookContext, HookPhase, run_phase_hook
+from deployer.push.hooks import PHASES, HookContext, HookPhase, HookResult, run_phase_hook
 from deployer.push.plan import (
     GENERATED,
     RELEASE_COUNTER,
@@ -52,12 +52,19 @@ from deployer.transport import Transport, run_bounded
 __all__ = ["DeviceResult", "Executor", "HookRunner", "ResultStatus", "RolloutReport"]
 
 STAGE_STEPS = frozenset(
-    {StepKind.BOOTSTRAP, StepKind.WRITE_UNITS, StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT}
+    {
+        StepKind.BOOTSTRAP,
+        StepKind.WRITE_UNITS,
+        StepKind.SEND_PATCH,
+        StepKind.SEND_ARTIFACT,
+        StepKind.SEND_MANIFEST,
+    }
 )
 SWITCH_STEPS = frozenset(set(StepKind) - STAGE_STEPS - {StepKind.PRE_DEPLOY_HOOK})
 DEPLOY_STEPS = STAGE_STEPS | SWITCH_STEPS
 OnPhase = Callable[[str, str, str], None]
-HookRunner = Callable[[HookContext], object]  # runs deploy.yaml's hook for context.phase; raises HookError
+# Runs deploy.yaml's hook for context.phase (None: no hook configured); raises HookError.
+HookRunner = Callable[[HookContext], HookResult | None]
 
 
 class ResultStatus(enum.StrEnum):
@@ -490,7 +497,9 @@ class Executor:
             application=self.config.application,
             namespace=self.config.namespace,
         )
-        self.hooks(context)
+        result = self.hooks(context)
+        if result is not None and result.output.strip():  # shown with -v (a failure's error holds it)
+            self.on_phase(dp.device, f"{phase} output", result.output)
 
     def _result(
         self,

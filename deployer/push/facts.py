@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from deployer import __version__
 from deployer.config.models import Config, Device
 from deployer.errors import RefusedError, TransportError
+from deployer.push.api_keys import API_KEYS_FILE, controller_key
 from deployer.push.plan import DeviceFacts
 from deployer.transport import Transport, run_bounded
 
@@ -73,6 +75,7 @@ class DeviceSite:
     python: str  # the interpreter that runs the agent
     engine: str = "torch"  # agent.engine: which engine's packages the device gets
     system_torch: bool = False  # its profile's `torch: system`: the device brings its own torch
+    api_key: str | None = field(default=None, repr=False)  # sent with agent_request; never shown
 
     @classmethod
     def of(cls, config: Config, device: Device) -> DeviceSite:
@@ -90,6 +93,7 @@ class DeviceSite:
             python="",
             engine=config.agent.engine,
             system_torch=profile is not None and profile.torch == "system",
+            api_key=controller_key(config),
         )
         python = site.path(VENV_PYTHON) if device.python == DEFAULT_PYTHON else device.python
         return DeviceSite(**{**site.__dict__, "python": python})
@@ -110,7 +114,13 @@ class DeviceSite:
     def managed_files(self) -> tuple[str, ...]:
         """Device files whose hashes the facts report (the trusted keys are listed on the device)."""
         units = ("sits-agent.service", "sits-rollback.service", "sits-poll.service", "sits-poll.timer")
-        return (AGENT_CONFIG, PULL_CONFIG, PULL_ROOT, *(f"{UNIT_DIR}/{unit}" for unit in units))
+        return (
+            AGENT_CONFIG,
+            API_KEYS_FILE,
+            PULL_CONFIG,
+            PULL_ROOT,
+            *(f"{UNIT_DIR}/{unit}" for unit in units),
+        )
 
 
 @dataclass(frozen=True)
@@ -130,10 +140,12 @@ class HttpReply:
         return data if isinstance(data, dict) else {}
 
 
-# Runs on the device with any Python >= 3.8; prints one JSON document. argv: root port files...
+# Runs on the device with any Python >= 3.8; prints one JSON document. argv: agent root port files...
+# `agent` is 1 when this is the agent's own interpreter: only then does its `deployer` count as the
+# agent (the bootstrap interpreter may be the controller's own venv, on a local device).
 _PROBE = r"""
 import hashlib, json, os, shutil, sys, urllib.request
-root, port, files = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+agent, root, port, files = sys.argv[1] == "1", sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 def under(p): return p if root == "/" else root + p
 def sha(p):
     try:
@@ -142,13 +154,16 @@ def sha(p):
 out = {"agent_version": None, "state": None, "hashes": {}, "ready": False, "served": None}
 try:
     import deployer, importlib.util
-    if importlib.util.find_spec("deployer.agent.cli"): out["agent_version"] = deployer.__version__
+    if agent and importlib.util.find_spec("deployer.agent.cli"): out["agent_version"] = deployer.__version__
 except Exception: pass
+out["python"] = sys.executable
 try:
     with open(under("/var/lib/sits/state.json")) as f: out["state"] = json.load(f)
 except (OSError, ValueError): pass
 for p in files:
     out["hashes"][p] = sha(under(p))
+v = under("/var/lib/sits/versions")
+out["on_disk"] = sorted(os.listdir(v)) if os.path.isdir(v) else []
 keys = under("/etc/sits/keys")
 if os.path.isdir(keys):
     for n in sorted(os.listdir(keys)):
@@ -171,11 +186,13 @@ print(json.dumps(out))
 
 # argv: port method path body timeout (body "" for none); prints {"status", "body", "elapsed_ms"}.
 _HTTP = r"""
-import json, sys, time, urllib.request, urllib.error
+import json, os, sys, time, urllib.request, urllib.error
 port, method, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 data = sys.argv[4].encode() or None
+headers = {"Content-Type": "application/json"}
+if os.environ.get("SITS_API_KEY"): headers["Authorization"] = "Bearer " + os.environ["SITS_API_KEY"]
 req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data, method=method,
-                             headers={"Content-Type": "application/json"})
+                             headers=headers)
 t = time.monotonic()
 try:
     with urllib.request.urlopen(req, timeout=float(sys.argv[5])) as r:
@@ -188,25 +205,45 @@ print(json.dumps({"status": status, "body": body, "elapsed_ms": (time.monotonic(
 """
 
 
-def _interpreter(site: DeviceSite) -> str:
-    """Shell words choosing the agent's interpreter when it exists, else the bootstrap one."""
+def _interpreter(site: DeviceSite, env: str = "") -> str:
+    """Shell words choosing the agent's interpreter when it exists (and setting A=1), else the
+    bootstrap one (A=0); run with the `env` assignments, if any."""
     agent, fallback = shlex.quote(site.python), shlex.quote(site.bootstrap_python)
-    return f'P={agent}; command -v "$P" >/dev/null 2>&1 || P={fallback}; "$P"'
+    return f'P={agent}; A=1; command -v "$P" >/dev/null 2>&1 || {{ P={fallback}; A=0; }}; {env}"$P"'
+
+
+def _offline(site: DeviceSite, reason: str, *, refused: bool = False) -> DeviceFacts:
+    """Facts of a device we could not read, with the reason in one line (never a script dump)."""
+    line = " ".join(reason.split())
+    return DeviceFacts(name=site.name, reachable=False, error=line[:240], refused=refused)
 
 
 def gather_facts(site: DeviceSite, transport: Transport) -> DeviceFacts:
-    """Probe one device. An unreachable device, or one whose probe fails, gives `reachable=False`."""
-    argv = shlex.join(["-c", _PROBE, site.root, str(site.port), *site.managed_files])
+    """Probe one device. An unreachable device, or one whose probe fails, gives `reachable=False`
+    and a one-line reason saying what was found."""
+    if site.local and not Path(site.root).is_dir():
+        return _offline(site, f"{site.name}: device root {site.root} does not exist (mkdir -p {site.root})")
     try:
-        result = transport.run(f"{_interpreter(site)} {argv}", timeout=PROBE_TIMEOUT_S)
-        result.check(f"{site.name}: the facts probe")
-        data = json.loads(result.stdout.strip().splitlines()[-1])
+        rest = shlex.join([site.root, str(site.port), *site.managed_files])
+        command = f'{_interpreter(site)} -c {shlex.quote(_PROBE)} "$A" {rest}'
+        result = transport.run(command, timeout=PROBE_TIMEOUT_S)
     except RefusedError as exc:
-        return DeviceFacts(name=site.name, reachable=False, error=exc.message, refused=True)
+        return _offline(site, exc.message, refused=True)
     except TransportError as exc:
-        return DeviceFacts(name=site.name, reachable=False, error=exc.message)
+        return _offline(site, _first_line(exc))
+    if result.rc == 127:
+        return _offline(
+            site,
+            f"{site.name}: no Python on the device: neither {site.python} nor {site.bootstrap_python} "
+            "runs (set the device's python: in the inventory)",
+        )
+    if result.rc != 0:
+        last = (result.stderr or result.stdout).strip().splitlines()
+        return _offline(site, f"{site.name}: the facts probe exited {result.rc}: {last[-1] if last else ''}")
+    try:
+        data = json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return DeviceFacts(name=site.name, reachable=False, error="the facts probe printed no JSON")
+        return _offline(site, f"{site.name}: the facts probe printed no JSON")
     state = data.get("state") or {}
     return DeviceFacts(
         name=site.name,
@@ -220,7 +257,26 @@ def gather_facts(site: DeviceSite, transport: Transport) -> DeviceFacts:
         unit_hashes={k: v for k, v in data["hashes"].items() if v is not None},
         ready=bool(data.get("ready")) and data.get("served") == state.get("installed_version"),
         systemd=bool(data.get("systemd")),
+        stored_artifacts=_stored_artifacts(state, data.get("on_disk") or []),
     )
+
+
+def _first_line(exc: TransportError) -> str:
+    """A transport error in one line: the cause's own words when there is one (not our command)."""
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.strerror:
+        return f"{exc.message.split(':', 1)[0]}: {cause.strerror}"
+    return exc.message.splitlines()[0] if exc.message else type(exc).__name__
+
+
+def _stored_artifacts(state: dict, on_disk: list[str]) -> dict[str, str]:
+    """artifact sha256 -> version of every verified version still on the device's disk."""
+    out = {}
+    for version, record in (state.get("versions") or {}).items():
+        sha = ((record or {}).get("release") or {}).get("artifact", {}).get("sha256")
+        if version in on_disk and isinstance(sha, str):
+            out[sha] = version
+    return out
 
 
 def gather_fleet(
@@ -248,7 +304,9 @@ def agent_request(
     """
     payload = json.dumps(body) if body is not None else ""
     argv = shlex.join(["-c", _HTTP, str(site.port), method, path, payload, str(timeout)])
-    result = transport.run(f"{_interpreter(site)} {argv}", timeout=timeout + 15)
+    # The key rides in the environment of the one process that needs it, not in its argv.
+    env = f"SITS_API_KEY={shlex.quote(site.api_key)} " if site.api_key else ""
+    result = transport.run(f"{_interpreter(site, env)} {argv}", timeout=timeout + 15)
     result.check(f"{site.name}: HTTP {method} {path}")
     data = json.loads(result.stdout.strip().splitlines()[-1])
     return HttpReply(int(data["status"]), data["body"], float(data["elapsed_ms"]))

@@ -2,7 +2,8 @@
 
     plan_fleet     config -> facts of the selected devices -> per-device desired state -> Plan
                    (plan.make_plan, each step's actions written by operations.DeviceRecipe)
-    apply_plan     lock, offline policy, releases, executor, audit log
+    apply_plan     lock, refusals (apply_refusal: what apply --dry-run reports too), releases,
+                   executor, audit log
     rollback_fleet a Plan whose target is an older artifact, issued as a new signed release
     fleet_status   device, version, health, last result (from the audit log)
 
@@ -22,12 +23,20 @@ from typing import Any
 from deployer.config.models import Config, Device
 from deployer.core.hashing import sha256_bytes
 from deployer.core.redact import redacted_json
-from deployer.errors import ConfigError, SignatureError, SitsError
+from deployer.errors import ConfigError, KeyFileError, SignatureError, SitsError
 from deployer.push.bootstrap import build_wheel, desired_files
 from deployer.push.executor import Executor, OnPhase, ResultStatus, RolloutReport
 from deployer.push.facts import DeviceSite, controller_agent_version, gather_fleet
 from deployer.push.operations import DeviceRecipe
-from deployer.push.plan import DesiredState, DeviceFacts, DeviceStatus, Plan, StepKind, make_plan
+from deployer.push.plan import (
+    SEND_STEPS,
+    DesiredState,
+    DeviceFacts,
+    DeviceStatus,
+    Plan,
+    StepKind,
+    make_plan,
+)
 from deployer.push.rollout import OfflineDecision, decide_offline
 from deployer.push.state import FleetLock, append_audit, read_audit
 from deployer.release.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store
@@ -36,8 +45,12 @@ from deployer.transport import LocalTransport, Transport
 __all__ = [
     "FleetPlan",
     "FleetSession",
+    "apply_failures",
     "apply_plan",
+    "apply_refusal",
+    "check_plan_config",
     "check_plan_file",
+    "config_digest",
     "fleet_status",
     "load_plan_file",
     "make_fleet_plan",
@@ -133,19 +146,32 @@ def _connect(config: Config, device: Device, site: DeviceSite) -> Transport:
 
 @dataclass(frozen=True)
 class FleetPlan:
-    """A Plan with the facts and target it was made from."""
+    """A Plan with the facts and target it was made from (`target` None: deploy.yaml's artifact
+    is not built yet, and the plan cannot be executed)."""
 
     plan: Plan
     facts: tuple[DeviceFacts, ...]
-    target: Desired
+    target: Desired | None
+
+    def built_target(self) -> Desired:
+        """The target; raises SitsError when it is not built (such a plan is only shown)."""
+        if self.target is None:
+            raise SitsError(
+                f"{self.plan.target_version} is not built, so this plan cannot be applied",
+                hint="run `sits-deployer build`, then plan again",
+            )
+        return self.target
 
 
-def plan_fleet(fleet: FleetSession, target: Desired, *, rollback: bool = False) -> FleetPlan:
-    """Facts of the fleet minus the target: the per-device plan (patches are made as needed)."""
+def plan_fleet(fleet: FleetSession, target: Desired | None, *, rollback: bool = False) -> FleetPlan:
+    """Facts of the fleet minus the target: the per-device plan (patches are made as needed).
+    `target` None: deploy.yaml's artifact is not built; its devices get a pending build step."""
     facts = fleet.facts()
     releaser = Releaser(fleet.config)
     patches: dict[str, Path] = {}
     for f in facts:
+        if target is None or target.artifact_sha256 in f.stored_artifacts:
+            continue  # not built (nothing to patch to), or still on the device (a pointer switch)
         base = artifact_in_store(fleet.config, f.model_sha256) if f.model_sha256 else None
         if base is not None and base.artifact_sha256 != target.artifact_sha256:
             patches[base.artifact_sha256] = releaser.patch(base, target)
@@ -156,25 +182,27 @@ def make_fleet_plan(
     config: Config,
     sites: Mapping[str, DeviceSite],
     facts: Sequence[DeviceFacts],
-    target: Desired,
+    target: Desired | None,
     patches: Mapping[str, Path],
     *,
     rollback: bool = False,
 ) -> FleetPlan:
     """The plan for these facts: per device the files deploy.yaml renders for it and the patch
-    from its base (`patches`: base artifact sha256 -> patch file), then plan.make_plan."""
+    from its base (`patches`: base artifact sha256 -> patch file), then plan.make_plan.
+    `target` None: deploy.yaml's artifact, not built yet."""
     files = {f.name: desired_files(config, sites[f.name], systemd=f.systemd) for f in facts}
     sizes = {base: path.stat().st_size for base, path in patches.items()}
     hooks = _configured_hooks(config, rollback=rollback)
     desired = {
         f.name: DesiredState(
-            version=target.version,
-            artifact_sha256=target.artifact_sha256,
-            artifact_bytes=target.artifact_bytes,
+            version=target.version if target else config.model.version,
+            artifact_sha256=target.artifact_sha256 if target else "",
+            artifact_bytes=target.artifact_bytes if target else 0,
             agent_version=controller_agent_version(),
             unit_hashes={path: sha256_bytes(data) for path, data in files[f.name].items()},
             patches={base: sizes[base] for base in (f.model_sha256,) if base in sizes},
             hooks=hooks,
+            built=target is not None,
         )
         for f in facts
     }
@@ -183,10 +211,11 @@ def make_fleet_plan(
         sites=sites,
         files=files,
         patches=patches,
-        artifact_dir=target.artifact_dir,
         artifact_files=tuple(
-            (p.name, p.stat().st_size) for p in sorted(target.artifact_dir.iterdir()) if p.is_file()
-        ),
+            (p, p.stat().st_size) for p in sorted(target.artifact_dir.iterdir()) if p.is_file()
+        )
+        if target
+        else (),
     )
     return FleetPlan(make_plan(desired, facts, recipe), tuple(facts), target)
 
@@ -215,7 +244,7 @@ def rollback_target(config: Config, to: str | None, current: Sequence[DeviceFact
 
 def prepare_releases(fleet: FleetSession, fp: FleetPlan) -> dict[str, ReleaseFiles]:
     """Sign (or reuse) the release each changing device needs; counters above every device's."""
-    releaser = Releaser(fleet.config)
+    releaser, target = Releaser(fleet.config), fp.built_target()
     floor = max((f.release_counter for f in fp.facts), default=0)
     facts = {f.name: f for f in fp.facts}
     out: dict[str, ReleaseFiles] = {}
@@ -223,9 +252,9 @@ def prepare_releases(fleet: FleetSession, fp: FleetPlan) -> dict[str, ReleaseFil
         kinds = {s.kind for s in dp.steps}
         if StepKind.SEND_PATCH in kinds:
             base = artifact_in_store(fleet.config, facts[dp.device].model_sha256 or "")
-            out[dp.device] = releaser.release(fp.target, base, floor=floor)
-        elif StepKind.SEND_ARTIFACT in kinds:
-            out[dp.device] = releaser.release(fp.target, None, floor=floor)
+            out[dp.device] = releaser.release(target, base, floor=floor)
+        elif kinds & {StepKind.SEND_ARTIFACT, StepKind.SEND_MANIFEST}:
+            out[dp.device] = releaser.release(target, None, floor=floor)
     for manifest in sorted({r.manifest for r in out.values()}):
         _check_signed_enough(fleet.config, manifest)
     return out
@@ -275,10 +304,11 @@ def apply_plan(
     `strategy.offline: fail`, a device is offline (nothing changed in either case). Ctrl-C:
     recorded, then KeyboardInterrupt propagates.
     """
-    decision = _offline_decision(fleet, fp)
+    fp.built_target()  # raises for a plan made before the build: it cannot run
+    refusal = apply_refusal(fleet.config, fp.plan)
     with FleetLock(fleet.sits_dir, action).held() as lock:
-        if decision.refusal:
-            raise SitsError(decision.refusal, hint="bring the devices back, or set strategy.offline: skip")
+        if refusal is not None:
+            raise refusal
         signed = releases(fleet, fp)
         wheel: Callable[[], Path] | None = None
         if project_dir is not None and (project_dir / "pyproject.toml").is_file():
@@ -304,14 +334,38 @@ def apply_plan(
         except KeyboardInterrupt as exc:
             append_audit(fleet.sits_dir, {**record, **exc.report.to_dict()})  # type: ignore[attr-defined]
             raise
-        report = _mark_skipped(report, decision.skipped)
+        report = _mark_skipped(report, _offline_decision(fleet.config, fp.plan).skipped)
         append_audit(fleet.sits_dir, {**record, **report.to_dict()})
         return report
 
 
-def _offline_decision(fleet: FleetSession, fp: FleetPlan) -> OfflineDecision:
-    offline = [d.device for d in fp.plan.devices if d.status is DeviceStatus.OFFLINE]
-    return decide_offline(fleet.config.strategy.offline, offline)
+def _offline_decision(config: Config, plan: Plan) -> OfflineDecision:
+    offline = [d.device for d in plan.devices if d.status is DeviceStatus.OFFLINE]
+    return decide_offline(config.strategy.offline, offline)
+
+
+def apply_refusal(config: Config, plan: Plan, *, signing: bool = True) -> SitsError | None:
+    """Why apply refuses `plan` before it changes anything, or None: devices offline under
+    `strategy.offline: fail`, or releases to send and no key to sign them. apply_plan raises it;
+    `apply --dry-run` and `plan --detailed-exitcode` report it, the latter with `signing=False`:
+    a drift check runs where no signing key is (CI's drift job)."""
+    refusal = _offline_decision(config, plan).refusal
+    if refusal:
+        return SitsError(refusal, hint="bring the devices back, or set strategy.offline: skip")
+    sends = any(s.kind in SEND_STEPS for d in plan.devices for s in d.steps)
+    if signing and sends and (config.signing is None or config.signing.private_key is None):
+        return KeyFileError(
+            "deploy.yaml has no signing.private_key, and devices install only signed releases",
+            hint="make a key pair with `sits-deployer keygen -o keys/release` and set "
+            "signing.private_key: keys/release.key",
+        )
+    return None
+
+
+def apply_failures(plan: Plan) -> SitsError | None:
+    """The devices that apply would report failed without trying (they cannot take the update)."""
+    blocked = [f"{d.device} ({d.reason})" for d in plan.devices if d.status is DeviceStatus.BLOCKED]
+    return SitsError(f"device(s) cannot take the update: {', '.join(blocked)}") if blocked else None
 
 
 def check_unchanged(fleet: FleetSession, fp: FleetPlan) -> None:
@@ -320,12 +374,9 @@ def check_unchanged(fleet: FleetSession, fp: FleetPlan) -> None:
     Offline devices (under `strategy.offline: fail`) and blocked ones have no steps either, so
     "no changes" alone would report a fleet that has not converged as done.
     """
-    decision = _offline_decision(fleet, fp)
-    if decision.refusal:
-        raise SitsError(decision.refusal, hint="bring the devices back, or set strategy.offline: skip")
-    blocked = [f"{d.device} ({d.reason})" for d in fp.plan.devices if d.status is DeviceStatus.BLOCKED]
-    if blocked:
-        raise SitsError(f"device(s) cannot take the update: {', '.join(blocked)}")
+    problem = apply_refusal(fleet.config, fp.plan) or apply_failures(fp.plan)
+    if problem is not None:
+        raise problem
 
 
 def _mark_skipped(report: RolloutReport, skipped: Sequence[str]) -> RolloutReport:
@@ -346,6 +397,7 @@ def write_plan_file(
     data = {
         "kind": PLAN_FILE_KIND,
         "config": str(config_path.resolve()),
+        "config_sha256": config_digest(config_path),
         "selector": dict(selector),
         "devices": list(names),
         "plan": fp.plan.to_dict(),
@@ -362,6 +414,31 @@ def load_plan_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("kind") != PLAN_FILE_KIND:
         raise ConfigError(f"{path}: not a plan file written by `sits-deployer plan -o`")
     return data
+
+
+def config_digest(config_path: Path) -> str:
+    """sha256 of deploy.yaml and the inventory it names, as they are on disk now."""
+    import yaml
+
+    text = config_path.read_bytes()
+    try:
+        inventory = (yaml.safe_load(text) or {}).get("fleet", {}).get("inventory")
+    except (yaml.YAMLError, AttributeError):
+        inventory = None
+    parts = [text]
+    if isinstance(inventory, str) and (config_path.parent / inventory).is_file():
+        parts.append((config_path.parent / inventory).read_bytes())
+    return sha256_bytes(b"\0".join(parts))
+
+
+def check_plan_config(saved: Mapping[str, Any]) -> None:
+    """Refuse a saved plan at once when deploy.yaml (or its inventory) changed since it was made."""
+    path = Path(saved["config"])
+    if saved.get("config_sha256") not in (None, config_digest(path)):
+        raise SitsError(
+            f"{path} changed since this plan was made; not applying it",
+            hint="run `sits-deployer plan -o plan.json` again, review it, then apply the new file",
+        )
 
 
 def check_plan_file(saved: Mapping[str, Any], fresh: FleetPlan) -> None:

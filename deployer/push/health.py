@@ -10,13 +10,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from deployer.config.models import Health
 from deployer.errors import AgentError, SitsError
 from deployer.push.facts import DeviceSite, HttpReply, agent_request
-from deployer.push.rollout import MetricsSnapshot, Sample, parse_metrics
+from deployer.push.rollout import MetricsSnapshot, Sample
 from deployer.transport import Transport
 
-__all__ = ["health_gate", "sample", "scrape_metrics", "serving_version", "smoke", "wait_ready"]
+__all__ = [
+    "health_gate",
+    "parse_metrics",
+    "sample",
+    "scrape_metrics",
+    "serving_version",
+    "smoke",
+    "wait_ready",
+]
 
 SMOKE_MAX_TOKENS = 4
 _POLL_S = 0.5
@@ -97,6 +107,23 @@ def scrape_metrics(site: DeviceSite, transport: Transport) -> MetricsSnapshot:
     except SitsError:
         return MetricsSnapshot()
     return parse_metrics(reply.body) if reply.status == 200 else MetricsSnapshot()
+
+
+def parse_metrics(text: str) -> MetricsSnapshot:
+    """`sits_requests_total{endpoint,status}` from the agent's /metrics, through prometheus_client's
+    parser: all requests, and those answered 5xx. Text that does not parse counts as no data."""
+    requests = errors = 0.0
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample_ in family.samples:
+                if sample_.name != "sits_requests_total":
+                    continue
+                requests += sample_.value
+                if sample_.labels.get("status", "").startswith("5"):
+                    errors += sample_.value
+    except ValueError:
+        return MetricsSnapshot()
+    return MetricsSnapshot(requests, errors)
 
 
 def sample(health: Health, site: DeviceSite, transport: Transport, before: MetricsSnapshot) -> Sample:

@@ -8,10 +8,13 @@ each base, the artifact's files) is gathered by `deployer.push.fleet` before pla
                     daemon-reload when a unit changed; restart a running agent that serves a model
     send-patch      put the signed release manifest and the patch into incoming/<counter>/
     send-artifact   put the manifest and every artifact file
+    send-manifest   put the manifest only: the device keeps the artifact (a pointer switch)
     install         run `sits-agent install` (as the service user where the units are installed)
+                    with the patch, the uploaded artifact, or the version the device keeps
     reload          call ensure-serving: start the agent, or have it reload onto the new version
     health-gate     call health-gate: ready on the version, smoke prompts within the budget
     *-hook          run deploy.yaml's hook for the phase, on the controller
+    build           none: the artifact is not built, so the plan cannot be executed
 
 The named operations (`CALLS`) are the executor's; their requests are the agent's HTTP API or the
 bootstrap of the agent itself (deployer.push.bootstrap), whose commands depend on what the device
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from deployer.config.models import Config
 from deployer.core.hashing import sha256_bytes
-from deployer.push.bootstrap import INCOMING, store_command
+from deployer.push.bootstrap import INCOMING, STORE_DIR, store_command
 from deployer.push.facts import DeviceSite
 from deployer.push.plan import (
     GENERATED,
@@ -38,6 +41,7 @@ from deployer.push.plan import (
     DesiredState,
     DeviceFacts,
     StepKind,
+    send_kind,
 )
 
 __all__ = ["CALLS", "DeviceRecipe", "release_dir"]
@@ -51,6 +55,7 @@ CALLS = {
     "health-gate": "ready on the version, then every smoke prompt within the latency budget",
 }
 INSTALL_TIMEOUT_S = 900.0
+VERSIONS_DIR = f"{STORE_DIR}/versions"  # the versions the agent verified (deployer.agent.store)
 DAEMON_RELOAD_TIMEOUT_S = 60.0
 
 
@@ -65,19 +70,21 @@ class DeviceRecipe:
 
     `files` holds, per device, the content of every file the controller manages there;
     `patches` the controller path of the patch from each base artifact sha256 to the target;
-    `artifact_files` the target artifact's files (name, size), in upload order.
+    `artifact_files` the target artifact's files (controller path, size), in upload order (none
+    while it is not built: no step sends them then).
     """
 
     config: Config
     sites: Mapping[str, DeviceSite]
     files: Mapping[str, Mapping[str, bytes]]
     patches: Mapping[str, Path]
-    artifact_dir: Path
-    artifact_files: tuple[tuple[str, int], ...]
+    artifact_files: tuple[tuple[Path, int], ...]
 
     def actions(self, kind: StepKind, facts: DeviceFacts, desired: DesiredState) -> tuple[Action, ...]:
         """The actions of step `kind` on the device of `facts` (see deployer.push.plan.Recipe)."""
         site = self.sites[facts.name]
+        if kind is StepKind.BUILD:
+            return ()
         if kind is StepKind.BOOTSTRAP:
             return (_call("install-agent", f"agent {desired.agent_version} for {site.python}"),)
         if kind is StepKind.WRITE_UNITS:
@@ -96,10 +103,12 @@ class DeviceRecipe:
             return (
                 _manifest(),
                 *(
-                    Action(ActionKind.PUT, f"{folder}/{name}", str(self.artifact_dir / name), bytes=size)
-                    for name, size in self.artifact_files
+                    Action(ActionKind.PUT, f"{folder}/{path.name}", str(path), bytes=size)
+                    for path, size in self.artifact_files
                 ),
             )
+        if kind is StepKind.SEND_MANIFEST:
+            return (_manifest(),)
         if kind is StepKind.INSTALL:
             return (self._install(site, facts, desired),)
         if kind is StepKind.RELOAD:
@@ -133,8 +142,15 @@ class DeviceRecipe:
 
     def _install(self, site: DeviceSite, facts: DeviceFacts, desired: DesiredState) -> Action:
         folder = release_dir()
-        patch = desired.patches.get(facts.model_sha256 or "") is not None
-        payload = ("--patch", f"{folder}/update.patch") if patch else ("--artifact", f"{folder}/artifact")
+        send = send_kind(desired, facts)
+        if send is StepKind.SEND_PATCH:
+            payload = ("--patch", f"{folder}/update.patch")
+        elif send is StepKind.SEND_MANIFEST:
+            # The agent checks the kept files against the signed manifest: an artifact already
+            # verified under that version is only switched to, another one is copied from there.
+            payload = ("--artifact", f"{VERSIONS_DIR}/{facts.stored_artifacts[desired.artifact_sha256]}")
+        else:
+            payload = ("--artifact", f"{folder}/artifact")
         argv = site.agent(
             "install", "--manifest", site.path(f"{folder}/release.json"), payload[0], site.path(payload[1])
         )

@@ -27,17 +27,28 @@ DISK_HEADROOM = 2.0
 
 
 class StepKind(enum.StrEnum):
-    """What the executor does for one step; the order below is the order on a device."""
+    """What the executor does for one step; the order below is the order on a device.
 
+    BUILD is the controller's: deploy.yaml's artifact is not built yet, so the model's own steps
+    are not known (plan builds nothing; apply builds first, then plans again). It has no actions,
+    and the executor refuses a plan that holds it.
+    """
+
+    BUILD = "build"
     PRE_DEPLOY_HOOK = "pre-deploy-hook"
     BOOTSTRAP = "bootstrap"
     WRITE_UNITS = "write-units"
     SEND_PATCH = "send-patch"
     SEND_ARTIFACT = "send-artifact"
+    SEND_MANIFEST = "send-manifest"  # the target is still on the device: its signed manifest only
     INSTALL = "install"
     RELOAD = "reload"
     HEALTH_GATE = "health-gate"
     POST_DEPLOY_HOOK = "post-deploy-hook"
+
+
+# The steps that carry a signed release to the device.
+SEND_STEPS = frozenset({StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT, StepKind.SEND_MANIFEST})
 
 
 class DeviceStatus(enum.StrEnum):
@@ -67,6 +78,7 @@ class DeviceFacts:
     unit_hashes: Mapping[str, str] = field(default_factory=dict)
     ready: bool = False
     systemd: bool = False  # the agent runs under systemd (else as a background process)
+    stored_artifacts: Mapping[str, str] = field(default_factory=dict)  # sha256 -> version kept on disk
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class DesiredState:
     """What every selected device should run, and what the controller can send to get it there.
 
     `patches` maps a base artifact sha256 to the size of the patch from it to the target.
+    `built=False`: the artifact is not built yet (`artifact_sha256` is "", its size 0).
     """
 
     version: str
@@ -83,6 +96,7 @@ class DesiredState:
     unit_hashes: Mapping[str, str]
     patches: Mapping[str, int] = field(default_factory=dict)
     hooks: frozenset[str] = frozenset()  # phases that have a hook configured (pre-/post-deploy or -rollback)
+    built: bool = True
 
 
 class ActionKind(enum.StrEnum):
@@ -175,6 +189,11 @@ class Plan:
         """True when at least one device has steps to run."""
         return any(d.status is DeviceStatus.CHANGE for d in self.devices)
 
+    @property
+    def converged(self) -> bool:
+        """Every device known to match (an offline or blocked device is drift too)."""
+        return all(d.status is DeviceStatus.UNCHANGED for d in self.devices)
+
     def to_dict(self) -> dict:
         """JSON-ready form (what `plan --output json` and `plan -o plan.json` write)."""
         data = asdict(self)
@@ -200,6 +219,7 @@ def facts_digest(facts: Sequence[DeviceFacts]) -> str:
             f.model_sha256,
             f.release_counter,
             sorted(f.unit_hashes.items()),
+            sorted(f.stored_artifacts),
         )
         for f in sorted(facts, key=lambda f: f.name)
     ]
@@ -232,32 +252,54 @@ def make_plan(
 
 def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None = None) -> DevicePlan:
     """The steps that take one device from its facts to the desired state."""
-    base = {"device": facts.name, "from_version": facts.model_version, "to_version": desired.version}
+
+    def verdict(status: DeviceStatus, reason: str, steps: Sequence[Step] = ()) -> DevicePlan:
+        return DevicePlan(facts.name, status, reason, facts.model_version, desired.version, tuple(steps))
+
     if facts.refused:
-        return DevicePlan(**base, status=DeviceStatus.BLOCKED, reason=facts.error or "refused")
+        return verdict(DeviceStatus.BLOCKED, facts.error or "refused")
     if not facts.reachable:
-        return DevicePlan(**base, status=DeviceStatus.OFFLINE, reason=facts.error or "unreachable")
+        return verdict(DeviceStatus.OFFLINE, facts.error or "unreachable")
     steps: list[Step] = []
+    if not desired.built:
+        steps.append(Step(StepKind.BUILD, f"{desired.version} not built: run `sits-deployer build`"))
     if facts.agent_version != desired.agent_version:
         have = facts.agent_version or "none"
         steps.append(Step(StepKind.BOOTSTRAP, f"agent {have} -> {desired.agent_version}"))
     changed_units = sorted(u for u, h in desired.unit_hashes.items() if facts.unit_hashes.get(u) != h)
     if changed_units:
         steps.append(Step(StepKind.WRITE_UNITS, "units differ: " + ", ".join(changed_units)))
-    model_steps = _model_steps(desired, facts)
+    model_steps = _model_steps(desired, facts) if desired.built else []
     if isinstance(model_steps, str):
-        return DevicePlan(**base, status=DeviceStatus.BLOCKED, reason=model_steps)
+        return verdict(DeviceStatus.BLOCKED, model_steps)
     steps.extend(model_steps)
     if not steps:
-        return DevicePlan(**base, status=DeviceStatus.UNCHANGED, reason="already matches")
+        return verdict(DeviceStatus.UNCHANGED, "already matches")
     # The headline is what moves the model, when something does; else the first step.
-    headline = (StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT, StepKind.RELOAD)
+    headline = {
+        StepKind.BUILD,
+        StepKind.SEND_PATCH,
+        StepKind.SEND_ARTIFACT,
+        StepKind.SEND_MANIFEST,
+        StepKind.RELOAD,
+    }
     reason = next((s.reason for s in steps if s.kind in headline), steps[0].reason)
     if model_steps:
         steps = _with_hooks(desired, steps)
     if recipe is not None:
         steps = [replace(s, actions=recipe.actions(s.kind, facts, desired)) for s in steps]
-    return DevicePlan(**base, status=DeviceStatus.CHANGE, reason=reason, steps=tuple(steps))
+    return verdict(DeviceStatus.CHANGE, reason, steps)
+
+
+def send_kind(desired: DesiredState, facts: DeviceFacts) -> StepKind:
+    """How the target reaches a device that does not run it: only a signed manifest when the
+    device still keeps the artifact (a pointer switch), a patch from what it runs, or the full
+    artifact. The planner and the recipe's install both ask this."""
+    if desired.artifact_sha256 in facts.stored_artifacts:
+        return StepKind.SEND_MANIFEST
+    if facts.model_sha256 is not None and facts.model_sha256 in desired.patches:
+        return StepKind.SEND_PATCH
+    return StepKind.SEND_ARTIFACT
 
 
 def _model_steps(desired: DesiredState, facts: DeviceFacts) -> list[Step] | str:
@@ -265,18 +307,27 @@ def _model_steps(desired: DesiredState, facts: DeviceFacts) -> list[Step] | str:
     if facts.model_sha256 == desired.artifact_sha256:
         return [] if facts.ready else [Step(StepKind.RELOAD, "model installed but not ready")]
     have = facts.model_version or "nothing"
-    patch_size = desired.patches.get(facts.model_sha256 or "")
-    if patch_size is not None:
-        send = Step(StepKind.SEND_PATCH, f"patch {have} -> {desired.version}", patch_size)
+    kind = send_kind(desired, facts)
+    if kind is StepKind.SEND_MANIFEST:  # nothing to stage, so no room is needed either
+        kept = facts.stored_artifacts[desired.artifact_sha256]
+        return [
+            Step(kind, f"{kept} is still on the device: switch to it"),
+            Step(StepKind.INSTALL, f"verify the release and switch to {kept}"),
+            *_switch_steps(),
+        ]
+    if kind is StepKind.SEND_PATCH:
+        send = Step(kind, f"patch {have} -> {desired.version}", desired.patches[facts.model_sha256 or ""])
     else:
         why = "no model installed" if facts.model_sha256 is None else f"no patch from {have}"
-        send = Step(StepKind.SEND_ARTIFACT, f"full artifact ({why})", desired.artifact_bytes)
+        send = Step(kind, f"full artifact ({why})", desired.artifact_bytes)
     needed = int(send.bytes + desired.artifact_bytes * (DISK_HEADROOM - 1))
     if facts.free_disk_bytes is not None and facts.free_disk_bytes < needed:
         return f"needs {needed} bytes free, has {facts.free_disk_bytes}"
+    return [send, Step(StepKind.INSTALL, f"verify and install {desired.version}"), *_switch_steps()]
+
+
+def _switch_steps() -> list[Step]:
     return [
-        send,
-        Step(StepKind.INSTALL, f"verify and install {desired.version}"),
         Step(StepKind.RELOAD, "hot-swap to the new version"),
         Step(StepKind.HEALTH_GATE, "readiness and smoke prompts within the latency budget"),
     ]

@@ -16,7 +16,6 @@ a device passed its analysis and whether the rollout must halt.
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,14 +31,11 @@ __all__ = [
     "decide_offline",
     "judge",
     "make_waves",
-    "parse_metrics",
     "should_halt",
 ]
 
 # Share of requests answered with a 5xx during an analysis window above which a device fails it.
 MAX_ERROR_RATE = 0.05
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 class WaveKind(enum.StrEnum):
@@ -127,21 +123,6 @@ class MetricsSnapshot:
 
     requests: float = 0.0
     errors: float = 0.0  # requests answered with a 5xx status
-
-
-def parse_metrics(text: str) -> MetricsSnapshot:
-    """Read `sits_requests_total{endpoint,status}` from the Prometheus text the agent serves."""
-    requests = errors = 0.0
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if not match or match["name"] != "sits_requests_total":
-            continue
-        value = float(match["value"])
-        labels = dict(_LABEL.findall(match["labels"] or ""))
-        requests += value
-        if labels.get("status", "").startswith("5"):
-            errors += value
-    return MetricsSnapshot(requests, errors)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ class UnitParams:
     restart_s: int = 5
     start_limit_burst: int = 3
     watchdog_s: int = 30
+    nofile_limit: int = 4096  # LimitNOFILE=: connections (agent.yaml max_connections) + files
     private_devices: bool = True
     user: str = "sits"
     systemctl: str = "/usr/bin/systemctl"

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -30,6 +31,9 @@ from deployer.core.manifest import read_manifest
 from deployer.core.release import PatchRef, make_release, parse_time
 from deployer.errors import ConfigError, KeyFileError, SitsError
 
+if TYPE_CHECKING:
+    from deployer.build.progress import BuildProgress
+
 __all__ = [
     "SITS_DIRNAME",
     "Desired",
@@ -38,6 +42,7 @@ __all__ = [
     "Releaser",
     "artifact_in_store",
     "build_target",
+    "built_target",
 ]
 
 SITS_DIRNAME = ".sits"
@@ -95,13 +100,25 @@ class Desired:
         return sum(p.stat().st_size for p in self.artifact_dir.iterdir() if p.is_file())
 
 
-def build_target(config: Config) -> Desired:
+def build_target(config: Config, *, progress: BuildProgress | None = None) -> Desired:
     """Build (or find in the cache) the artifact deploy.yaml names. Raises BuildError."""
     from deployer.build.pipeline import build_artifact
     from deployer.build.request import request_from_config
 
-    result = build_artifact(request_from_config(config))
+    result = build_artifact(request_from_config(config), progress=progress)
     return Desired(config.model.version, result.artifact_id, result.artifact_dir)
+
+
+def built_target(config: Config) -> Desired | None:
+    """The artifact deploy.yaml names when it was built before; None when it is not built yet.
+
+    Hashes the source model and looks its inputs up in the store; quantizes and writes nothing.
+    """
+    from deployer.build.pipeline import find_built
+    from deployer.build.request import request_from_config
+
+    found = find_built(request_from_config(config))
+    return None if found is None else Desired(config.model.version, found.artifact_id, found.artifact_dir)
 
 
 def artifact_in_store(config: Config, artifact_sha256: str) -> Desired | None:

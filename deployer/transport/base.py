@@ -1,4 +1,5 @@
-"""The one small interface every transport offers: run, put, get, close.
+"""The one small interface every transport offers: run, put, get, close (and stream, for output
+that arrives while a command runs, as `logs --follow` shows it).
 
 `put` is written once, here, on top of a few file primitives each transport supplies: upload into
 `<remote>.part`, resume from the verified prefix of a partial file left by a dropped connection,
@@ -98,6 +99,12 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the connection; the transport reconnects if used again."""
+
+    def stream(self, cmd: str, write: Callable[[str], None]) -> int:
+        """Run a shell command and pass its output (stdout and stderr) to `write` as it arrives;
+        return its exit status. It runs until it ends or Ctrl-C (KeyboardInterrupt, after the
+        command was stopped). Raises TransportError where the transport cannot stream."""
+        raise TransportError(f"{self.label}: this transport cannot stream a command's output")
 
     def put(
         self, local_path: Path, remote_path: str, *, resume: bool = True, progress: Progress | None = None

@@ -62,6 +62,28 @@ class LocalTransport(Transport):
             raise TransportError(f"{self.label}: cannot run {command!r}: {exc}") from exc
         return RunResult(done.returncode, _text(done.stdout), _text(done.stderr))
 
+    def stream(self, cmd: str, write: Callable[[str], None]) -> int:
+        """See Transport.stream (in `root`, with SITS_ROOT set, as `run`)."""
+        try:
+            proc = subprocess.Popen(
+                ["/bin/sh", "-c", cmd],
+                cwd=self.root,
+                env={**os.environ, "SITS_ROOT": str(self.root)},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        except OSError as exc:
+            raise TransportError(f"{self.label}: cannot run {cmd!r}: {exc}") from exc
+        with proc:
+            try:
+                assert proc.stdout is not None  # stdout=PIPE
+                for line in proc.stdout:
+                    write(_text(line))
+                return proc.wait()
+            finally:
+                proc.kill()  # Ctrl-C, or the pipe closed early: the command does not outlive us
+
     def close(self) -> None:
         """Nothing to release."""
 

@@ -80,6 +80,23 @@ class SshTransport(Transport):
         finally:
             channel.close()
 
+    def stream(self, cmd: str, write: Callable[[str], None]) -> int:
+        """See Transport.stream. Closing the channel (Ctrl-C) hangs up the remote command."""
+        channel = self._open_channel()
+        try:
+            channel.set_combine_stderr(True)
+            channel.exec_command(cmd)
+            while data := channel.recv(65536):
+                write(data.decode("utf-8", errors="replace"))
+            return channel.recv_exit_status()
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            self.close()
+            raise TransportError(
+                f"{self.label}: the connection dropped while running {cmd!r}: {_describe(exc)}"
+            ) from exc
+        finally:
+            channel.close()
+
     def close(self) -> None:
         """Close the SFTP session and the connection (the next call reconnects)."""
         with self._lock:

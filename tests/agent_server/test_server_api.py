@@ -5,6 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from tests.agent_server.conftest import parse_samples
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -18,8 +20,8 @@ def client(agent):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{agent.port}/v1", api_key="unused", max_retries=0)
 
 
-def test_chat_answer_has_usage_and_finish_reason(agent, client):
-    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0)
+def test_chat_answer_has_usage_and_finish_reason(agent, client, model_name):
+    answer = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=6, temperature=0)
     choice = answer.choices[0]
     assert answer.object == "chat.completion"
     assert answer.model == f"{agent.manager.active_info().model}@v1"
@@ -30,11 +32,11 @@ def test_chat_answer_has_usage_and_finish_reason(agent, client):
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
 
 
-def test_stream_with_usage_matches_the_plain_answer(client):
-    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
+def test_stream_with_usage_matches_the_plain_answer(client, model_name):
+    plain = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=8, temperature=0)
     chunks = list(
         client.chat.completions.create(
-            model="tiny",
+            model=model_name,
             messages=MESSAGES,
             max_tokens=8,
             temperature=0,
@@ -54,17 +56,19 @@ def test_stream_with_usage_matches_the_plain_answer(client):
     assert len({c.id for c in chunks}) == 1
 
 
-def test_stream_without_usage_has_no_usage_chunk(client):
-    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, stream=True))
+def test_stream_without_usage_has_no_usage_chunk(client, model_name):
+    chunks = list(
+        client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=3, stream=True)
+    )
     assert all(c.choices for c in chunks)
     assert all(c.usage is None for c in chunks)
 
 
-def test_seeded_sampling_repeats(client):
+def test_seeded_sampling_repeats(client, model_name):
     def sample():
         return (
             client.chat.completions.create(
-                model="tiny", messages=MESSAGES, max_tokens=8, temperature=1.0, top_p=0.9, seed=42
+                model=model_name, messages=MESSAGES, max_tokens=8, temperature=1.0, top_p=0.9, seed=42
             )
             .choices[0]
             .message.content
@@ -73,25 +77,25 @@ def test_seeded_sampling_repeats(client):
     assert sample() == sample()
 
 
-def test_stop_string_cuts_the_answer(client):
-    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+def test_stop_string_cuts_the_answer(client, model_name):
+    plain = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=12, temperature=0)
     text = plain.choices[0].message.content
     assert len(text) >= 2
     stop = text[1]
     cut = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop]
+        model=model_name, messages=MESSAGES, max_tokens=12, temperature=0, stop=[stop]
     )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[: text.index(stop)]
 
 
-def test_completions_plain_and_streamed(client):
-    plain = client.completions.create(model="tiny", prompt="The capital of", max_tokens=5, temperature=0)
+def test_completions_plain_and_streamed(client, model_name):
+    plain = client.completions.create(model=model_name, prompt="The capital of", max_tokens=5, temperature=0)
     assert plain.object == "text_completion"
     assert plain.usage.completion_tokens <= 5
     chunks = list(
         client.completions.create(
-            model="tiny",
+            model=model_name,
             prompt="The capital of",
             max_tokens=5,
             temperature=0,
@@ -114,25 +118,27 @@ def test_models_lists_active_then_previous(agent, client, tiny_model_dir_b):
     assert (previous.version, previous.status, previous.loaded) == ("v1", "previous", False)
 
 
-def test_health_ready_and_metrics(agent, client, http, wait_until):
-    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+def test_health_ready_and_metrics(agent, client, model_name, http, wait_until):
+    client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=3)
     # The server counts a request just after answering it.
-    wait_until(lambda: agent.metrics.requests.value(endpoint="/v1/chat/completions", status="200"), "counted")
+    wait_until(
+        lambda: agent.metrics.value("sits_requests_total", endpoint="/v1/chat/completions", status="200"),
+        "counted",
+    )
     wait_until(lambda: agent.admission.counts().running == 0, "slot returned")
     assert http(agent.port, "GET", "/healthz")[0] == 200
     status, _, body = http(agent.port, "GET", "/readyz")
     assert (status, body["version"]) == (200, "v1")
     status, headers, text = http(agent.port, "GET", "/metrics")
     assert status == 200
-    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
-    lines = text.splitlines()
-    assert 'sits_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in lines
-    assert "sits_time_to_first_token_seconds_count 1" in lines
-    assert "sits_e2e_request_latency_seconds_count 1" in lines
-    assert 'sits_reloads_total{result="success"} 1.0' in lines
-    assert any(
-        line.startswith("sits_model_info{") and 'version="v1",quantization="fp32"' in line for line in lines
-    )
-    assert "sits_requests_running 0.0" in lines
-    generated = next(line for line in lines if line.startswith("sits_generation_tokens_total "))
-    assert float(generated.split()[1]) >= 1
+    assert headers["content-type"].startswith("text/plain; version=")
+    samples = parse_samples(text)
+    assert samples[("sits_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] == 1
+    assert samples[("sits_time_to_first_token_seconds_count", ())] == 1
+    assert samples[("sits_e2e_request_latency_seconds_count", ())] == 1
+    assert samples[("sits_reloads_total", (("result", "success"),))] == 1
+    (info,) = [dict(labels) for name, labels in samples if name == "sits_model_info"]
+    assert (info["version"], info["quantization"]) == ("v1", "fp32")
+    assert samples[("sits_requests_running", ())] == 0
+    assert samples[("sits_generation_tokens_total", ())] >= 1
+    assert samples[("process_resident_memory_bytes", ())] > 0  # process metrics come along

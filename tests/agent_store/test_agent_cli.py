@@ -86,9 +86,10 @@ def test_usage_errors_exit_2(device, kit):
 
 def test_reload_without_a_server_is_an_error(device, tmp_path):
     config = tmp_path / "agent.yaml"
-    config.write_text("port: 1\n")  # nothing listens on port 1
+    socket_path = tmp_path / "admin.sock"  # nothing listens there
+    config.write_text(f"port: 1\nadmin_socket: {socket_path}\n")
     code, _, err = _run(device, "reload", config=config)
-    assert code == 1 and "no agent is listening on 127.0.0.1:1" in err
+    assert code == 1 and f"no agent is listening on {socket_path}" in err
 
 
 def test_on_failure_rollback_leaves_the_failing_version(device, kit):

@@ -161,6 +161,7 @@ def test_every_output_path_redacts_a_registered_value(capsys, caplog):
     out, err = capsys.readouterr()
     assert "MARKER" not in out + err and out.count("<value from ${S}>") == 1 and "<value" in err
     logger = logging.getLogger("tests.secrets")
+    logger.setLevel(logging.DEBUG)  # an earlier CLI run in this process may have raised the root level
     handler = logging.StreamHandler(io.StringIO())
     handler.addFilter(RedactingFilter())
     logger.addHandler(handler)

@@ -25,6 +25,7 @@ fleet:
       transport: local
       root: ./fleet/d2
       profile: small
+      agent_port: 8082
 profiles:
   small: {memory: 4Gi, cpu: "2"}
 """

@@ -1,6 +1,6 @@
 """Broken deploy.yaml files: each gives the expected message at the expected line and column.
 
-The cases edit the minimal valid config in conftest.py (18 lines; appended text starts at 19).
+The cases edit the minimal valid config in conftest.py (19 lines; appended text starts at 20).
 """
 
 from __future__ import annotations
@@ -25,23 +25,23 @@ CASES = [
     (
         "duplicate-key",
         {"append": "application: other\n"},
-        (19, 1, "application", "duplicate key 'application' (first defined at line 1)"),
+        (20, 1, "application", "duplicate key 'application' (first defined at line 1)"),
     ),
-    ("undefined-alias", {"append": "namespace: *ns\n"}, (19, 12, "<yaml>", "undefined alias *ns")),
+    ("undefined-alias", {"append": "namespace: *ns\n"}, (20, 12, "<yaml>", "undefined alias *ns")),
     (
         "bad-merge",
         {"append": "agent:\n  <<: 5\n"},
-        (20, 7, "<yaml>", "a merge key (<<) must refer to a mapping"),
+        (21, 7, "<yaml>", "a merge key (<<) must refer to a mapping"),
     ),
     (
         "unknown-top-field",
         {"append": "strategi: canary\n"},
-        (19, 1, "strategi", "unknown field 'strategi'"),
+        (20, 1, "strategi", "unknown field 'strategi'"),
     ),
     (
         "unknown-nested-field",
         {"append": "agent:\n  max_concurent: 2\n"},
-        (20, 3, "agent.max_concurent", "unknown field 'max_concurent'"),
+        (21, 3, "agent.max_concurent", "unknown field 'max_concurent'"),
     ),
     (
         "wrong-type",
@@ -71,17 +71,17 @@ CASES = [
     (
         "bad-quantity",
         {"replace": (("memory: 4Gi", "memory: 4Gx"),)},
-        (18, 19, "profiles.small.memory", "invalid memory quantity '4Gx'"),
+        (19, 19, "profiles.small.memory", "invalid memory quantity '4Gx'"),
     ),
     (
         "absurd-memory",
         {"replace": (("memory: 4Gi", "memory: 4"),)},
-        (18, 19, "profiles.small.memory", "memory 4 B is implausible for an edge device"),
+        (19, 19, "profiles.small.memory", "memory 4 B is implausible for an edge device"),
     ),
     (
         "absurd-cpu",
         {"append": "resources: {cpu: 100000}\n"},
-        (19, 18, "resources.cpu", "is implausible for an edge device"),
+        (20, 18, "resources.cpu", "is implausible for an edge device"),
     ),
     (
         "duplicate-device",
@@ -106,52 +106,52 @@ CASES = [
     (
         "missing-hook",
         {"append": "hooks:\n  pre-deploy: ./nope.sh\n"},
-        (20, 15, "hooks.pre-deploy.path", "file ./nope.sh does not exist"),
+        (21, 15, "hooks.pre-deploy.path", "file ./nope.sh does not exist"),
     ),
     (
         "non-executable-hook",
         {"append": "hooks:\n  post-deploy: {path: hook.sh, timeout: 30s}\n"},
-        (20, 23, "hooks.post-deploy.path", "hook hook.sh is not executable"),
+        (21, 23, "hooks.post-deploy.path", "hook hook.sh is not executable"),
     ),
     (
         "bad-hook-timeout",
         {"append": "hooks:\n  pre-rollback: {path: hook.sh, timeout: 5x}\n"},
-        (20, 42, "hooks.pre-rollback.timeout", "invalid duration '5x'"),
+        (21, 42, "hooks.pre-rollback.timeout", "invalid duration '5x'"),
     ),
     (
         "strategy-typo",
         {"append": "strategy: canery\n"},
-        (19, 11, "strategy.type", "unknown value 'canery'"),
+        (20, 11, "strategy.type", "unknown value 'canery'"),
     ),
     (
         "selector-matches-nothing",
         {"append": "strategy:\n  type: canary\n  selector: {ring: blue}\n"},
-        (21, 13, "strategy.selector", "selector {ring: blue} matches none of the 2 devices"),
+        (22, 13, "strategy.selector", "selector {ring: blue} matches none of the 2 devices"),
     ),
     (
         "canary-step-too-large",
         {"append": "strategy:\n  type: canary\n  steps: [1, 5]\n"},
-        (21, 14, "strategy.steps[1]", "canary step 5 is more than the 2 devices"),
+        (22, 14, "strategy.steps[1]", "canary step 5 is more than the 2 devices"),
     ),
     (
         "steps-on-rolling",
         {"append": "strategy:\n  type: rolling\n  steps: [1]\n"},
-        (21, 3, "strategy.steps", "steps is not used by the rolling strategy"),
+        (22, 3, "strategy.steps", "steps is not used by the rolling strategy"),
     ),
     (
         "percent-over-100",
         {"append": "strategy:\n  type: canary\n  steps: [1, '150%']\n"},
-        (21, 14, "strategy.steps[1]", "percentage '150%' must be above 0% and at most 100%"),
+        (22, 14, "strategy.steps[1]", "percentage '150%' must be above 0% and at most 100%"),
     ),
     (
         "resources-exceed-profile",
         {"append": "resources: {memory: 8Gi}\n"},
-        (19, 21, "resources.memory", "resources.memory 8.0 GiB exceeds the 4.0 GiB of profile 'small'"),
+        (20, 21, "resources.memory", "resources.memory 8.0 GiB exceeds the 4.0 GiB of profile 'small'"),
     ),
     (
         "model-does-not-fit",
         {"replace": (("memory: 4Gi", "memory: 512Mi"),)},
-        (18, 19, "profiles.small.memory", "model m needs about"),
+        (19, 19, "profiles.small.memory", "model m needs about"),
     ),
     (
         "missing-model-dir",
@@ -166,7 +166,7 @@ CASES = [
     (
         "unset-env-var",
         {"append": "namespace: ${SITS_TEST_SURELY_UNSET}\n"},
-        (19, 12, "namespace", "environment variable ${SITS_TEST_SURELY_UNSET} is not set"),
+        (20, 12, "namespace", "environment variable ${SITS_TEST_SURELY_UNSET} is not set"),
     ),
     (
         "missing-inventory",
@@ -199,6 +199,11 @@ def key_files(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _errors(findings: list[Finding]) -> list[str]:
+    """The findings that make a config invalid (the base config has no signing: a warning)."""
+    return [str(f) for f in findings if f.is_error]
+
+
 def _assert_found(findings: list[Finding], path: Path, expected: tuple) -> None:
     line, column, field, fragment = expected
     matches = [f for f in findings if fragment in f.message]
@@ -220,7 +225,7 @@ def test_there_are_at_least_twenty_cases():
 
 def test_the_base_config_is_valid(write_config):
     path = write_config()
-    assert validate_file(path, environ={}) == []
+    assert _errors(validate_file(path, environ={})) == []
     config = load_config(path, environ={})
     assert [d.name for d in config.fleet.devices] == ["d1", "d2"]
     assert config.resolve("fleet/d1") == path.parent / "fleet/d1"
@@ -233,7 +238,7 @@ def test_every_problem_is_reported_in_one_run(write_config):
     )
     with pytest.raises(ConfigError) as caught:
         load_config(path, environ={})
-    messages = [f.message for f in caught.value.findings]
+    messages = [f.message for f in caught.value.findings if f.is_error]
     assert len(messages) == 5, messages
     assert [f.line for f in caught.value.findings] == sorted(f.line for f in caught.value.findings)
 
@@ -264,17 +269,17 @@ def test_wrong_key_types_are_findings(write_config, key_files):
     path = write_config(append="signing:\n  private_key: ec.key\n  trusted_keys: [rsa.pub, ec.key, ec.pub]\n")
     findings = {f.path: f for f in validate_file(path, environ={})}
     assert "is an RSA key; release keys must be EC P-256" in findings["signing.trusted_keys[0]"].message
-    assert findings["signing.trusted_keys[0]"].line == 21
+    assert findings["signing.trusted_keys[0]"].line == 22
     assert "is a private key" in findings["signing.trusted_keys[1]"].message
     assert "signing.trusted_keys[2]" not in findings
     private = findings["signing.private_key"]
-    assert (private.line, private.column) == (20, 16)
+    assert (private.line, private.column) == (21, 16)
     assert "encrypted and $SITS_SIGNING_PASSPHRASE is not set" in private.message
 
 
 def test_encrypted_private_key_opens_with_its_passphrase(write_config, key_files):
     path = write_config(append="signing:\n  private_key: ec.key\n  trusted_keys: [ec.pub]\n")
-    assert validate_file(path, environ={"SITS_SIGNING_PASSPHRASE": "correct horse"}) == []
+    assert _errors(validate_file(path, environ={"SITS_SIGNING_PASSPHRASE": "correct horse"})) == []
     wrong = validate_file(path, environ={"SITS_SIGNING_PASSPHRASE": "wrong horse"})
     assert [f.message for f in wrong] == [
         "the passphrase in $SITS_SIGNING_PASSPHRASE does not decrypt private key ec.key"
@@ -296,7 +301,9 @@ def test_inventory_findings_point_into_the_inventory(write_config, tmp_path):
 
 
 def test_inventory_devices_are_merged(write_config, tmp_path):
-    (tmp_path / "inv.yaml").write_text("kind: Inventory\ndevices:\n  - {name: d3, transport: local}\n")
+    (tmp_path / "inv.yaml").write_text(
+        "kind: Inventory\ndevices:\n  - {name: d3, transport: local, agent_port: 8083}\n"
+    )
     path = write_config(replace=(("fleet:\n", "fleet:\n  inventory: inv.yaml\n"),))
     config = load_config(path, environ={})
     assert [d.name for d in config.fleet.devices] == ["d1", "d2", "d3"]
@@ -312,5 +319,5 @@ def test_executable_hook_passes(write_config, tmp_path):
     hook.write_text("#!/bin/sh\n")
     hook.chmod(0o755)
     path = write_config(append="hooks:\n  pre-deploy: hook.sh\n")
-    assert validate_file(path, environ={}) == []
+    assert _errors(validate_file(path, environ={})) == []
     assert load_config(path, environ={}).hooks.pre_deploy.path == "hook.sh"

@@ -47,6 +47,7 @@ def test_facts_and_plan_over_ssh_bootstrap_and_units(ssh_project):
         fleet.close()
     assert all(f.reachable and f.systemd and f.agent_version is None for f in facts), facts
     assert all(f.free_disk_bytes and f.free_memory_bytes for f in facts)
+    assert ssh_project.run("build", "-q").exit_code == 0  # plan never builds (issue 18)
     result = ssh_project.run("plan", "--output", "json", "--detailed-exitcode")
     assert result.exit_code == 2
     plan = json.loads(result.stdout)
@@ -127,6 +128,7 @@ def test_apply_v1_over_ssh_runs_the_agent_under_systemd(hub: Lab, lab_project):
 
 def test_v2_patch_under_canary_then_fleet_rollback(hub: Lab, lab_project):
     lab_project.write("2.0.0", strategy=CANARY)
+    assert lab_project.run("build", "-q").exit_code == 0  # plan never builds (issue 18)
     plan = json.loads(lab_project.run("plan", "--output", "json").stdout)
     assert all(d["steps"][0]["kind"] == "send-patch" for d in plan["devices"]), plan
     result = lab_project.run("apply", "--output", "json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deployer.config.models import Strategy
+from deployer.push.health import parse_metrics
 from deployer.push.rollout import (
     MetricsSnapshot,
     Sample,
@@ -12,7 +13,6 @@ from deployer.push.rollout import (
     decide_offline,
     judge,
     make_waves,
-    parse_metrics,
     should_halt,
 )
 

@@ -13,7 +13,7 @@ recipe of commands and the transport's put (resume, verify, rename) all run for 
                    any other command exits 127, so a recipe change the simulator does not know
                    fails loudly
     SimAgent       AgentControl: serving version, start/reload, the health gate, metrics samples
-    SimHooks       the hook runner: records each call, fails where scripted
+    SimHooks       the hook runner: records each call, prints a line, fails where scripted
     FakeClock      the executor's sleep: records each wait, can raise KeyboardInterrupt (Ctrl-C)
 
 Every device event goes into one ordered log (`SimFleet.events`), which is what wave-order tests read.
@@ -36,7 +36,8 @@ from deployer.push.bootstrap import desired_files
 from deployer.push.executor import Executor
 from deployer.push.facts import DeviceSite
 from deployer.push.fleet import FleetPlan, FleetSession, make_fleet_plan
-from deployer.push.hooks import HookContext
+from deployer.push.hooks import HookContext, HookResult
+from deployer.push.operations import VERSIONS_DIR
 from deployer.push.plan import DeviceFacts
 from deployer.push.rollout import MetricsSnapshot, Sample
 from deployer.release.desired import Desired, ReleaseFiles
@@ -71,6 +72,7 @@ class SimDevice:
     files: dict[str, bytearray] = field(default_factory=dict)
     serving: str | None = None
     previous: tuple[str | None, str | None] = (None, None)
+    kept: dict[str, str] = field(default_factory=dict)  # the versions on its disk: sha256 -> version
     requests: float = 0.0
     errors: float = 0.0
 
@@ -88,6 +90,7 @@ class SimDevice:
             free_disk_bytes=10**12,
             unit_hashes=unit_hashes,
             ready=self.serving == self.version and self.version is not None,
+            stored_artifacts=dict(self.kept),
         )
 
 
@@ -129,7 +132,9 @@ class SimTransport(Transport):
         manifest = self._device_path(argv[argv.index("--manifest") + 1])
         payload_flag = "--patch" if "--patch" in argv else "--artifact"
         payload = self._device_path(argv[argv.index(payload_flag) + 1])
-        if manifest not in device.files or not any(p.startswith(payload) for p in device.files):
+        kept = payload.removeprefix(f"{VERSIONS_DIR}/") if payload.startswith(VERSIONS_DIR) else None
+        uploaded = any(p.startswith(payload) for p in device.files)
+        if manifest not in device.files or not (uploaded or kept in device.kept.values()):
             return RunResult(2, "", f"sim: {manifest} or {payload} was not uploaded")
         if device.script.install_fails:
             self.fleet.log(device.name, "install-failed", "")
@@ -137,6 +142,7 @@ class SimTransport(Transport):
         release = json.loads(bytes(device.files[manifest]))
         device.previous = (device.version, device.sha256)
         device.version, device.sha256 = release["version"], release["artifact_sha256"]
+        device.kept[device.sha256] = device.version  # the agent keeps the versions it verified
         device.counter = release["counter"]
         device.serving = device.version  # the agent hot-swaps after its install
         self.fleet.log(device.name, "installed", device.version)
@@ -259,7 +265,7 @@ class SimHooks:
 
     fleet: SimFleet
 
-    def __call__(self, context: HookContext) -> None:
+    def __call__(self, context: HookContext) -> HookResult:
         self.fleet.log(context.device, "hook", context.phase)
         if context.phase in self.fleet.devices[context.device].script.hook_fails:
             raise HookError(
@@ -268,6 +274,8 @@ class SimHooks:
                 path=Path("hooks/check.sh"),
                 returncode=3,
             )
+        output = f"{context.phase}: checked {context.device}\n"
+        return HookResult(context.phase, Path("hooks/check.sh"), 0, output, 0.0)
 
 
 @dataclass
@@ -314,6 +322,8 @@ class SimFleet:
                 },
                 "strategy": strategy or {"type": "all-at-once"},
                 "health": {"latency_budget_ms": 1000, "smoke_prompts": ["Hi"]},
+                # Never read: the releases are stand-ins; apply refuses to send without a key.
+                "signing": {"private_key": "keys/release.key"},
                 **doc,
             }
         )
@@ -326,7 +336,14 @@ class SimFleet:
         self.patch = tmp / "v1-v2.patch"
         self.patch.write_bytes(b"P" * 4096)
         self.devices = {
-            n: SimDevice(n, "1.0.0", self.v1.artifact_sha256, self.session.sites[n].root, serving="1.0.0")
+            n: SimDevice(
+                n,
+                "1.0.0",
+                self.v1.artifact_sha256,
+                self.session.sites[n].root,
+                serving="1.0.0",
+                kept={self.v1.artifact_sha256: "1.0.0"},
+            )
             for n in names
         }
         self.transports = {n: SimTransport(self, d) for n, d in self.devices.items()}

@@ -13,8 +13,8 @@ import pytest
 
 from deployer.errors import SitsError
 from deployer.push.executor import ResultStatus, RolloutReport
-from deployer.push.fleet import FleetPlan, apply_plan
-from deployer.push.plan import RELEASE_COUNTER, ActionKind
+from deployer.push.fleet import FleetPlan, apply_plan, apply_refusal, make_fleet_plan
+from deployer.push.plan import RELEASE_COUNTER, ActionKind, StepKind
 from deployer.push.state import read_audit, read_lock
 from tests.push.simulator import SimFleet
 
@@ -272,3 +272,77 @@ def test_exit_codes(tmp_path: Path) -> None:
     interrupted = RolloutReport("apply", "rolling", "2.0.0", ok.results, interrupted=True)
     halted = RolloutReport("apply", "rolling", "2.0.0", ok.results, halted="threshold")
     assert (interrupted.exit_code, halted.exit_code) == (130, 1)
+
+
+def test_a_rollback_to_a_version_still_on_the_device_sends_only_its_signed_manifest(tmp_path: Path) -> None:
+    sim = SimFleet(tmp_path, 2)
+    assert _run(sim).ok  # every device on 2.0.0; 1.0.0 stays on their disks
+    back = make_fleet_plan(sim.config, sim.session.sites, sim.facts(), sim.v1, {}, rollback=True)
+    for dp in back.plan.devices:
+        assert [s.kind for s in dp.steps] == [
+            StepKind.SEND_MANIFEST,
+            StepKind.INSTALL,
+            StepKind.RELOAD,
+            StepKind.HEALTH_GATE,
+        ]
+        assert dp.reason == "1.0.0 is still on the device: switch to it"
+        (install,) = next(s for s in dp.steps if s.kind is StepKind.INSTALL).actions
+        assert f"--artifact {sim.session.sites[dp.device].root}/var/lib/sits/versions/1.0.0" in install.target
+    sim.events.clear()
+    releases = sim.releases(sim.session, back)
+    report = sim.executor().run(back.plan, {f.name: f for f in back.facts}, releases, action="rollback")
+    assert _statuses(report) == dict.fromkeys(sim.devices, S.UPDATED)
+    assert _versions(sim) == dict.fromkeys(sim.devices, "1.0.0")
+    for result in report.results:  # the manifest, and not one byte of the model
+        assert result.bytes_sent == releases[result.device].manifest.stat().st_size
+    assert [x.rsplit("/", 1)[1] for _, e, x in sim.events if e == "put"] == ["release.json"] * 2
+
+
+def test_a_plan_made_before_the_build_shows_the_build_and_cannot_run(tmp_path: Path) -> None:
+    sim = SimFleet(tmp_path, 2)
+    fp = make_fleet_plan(sim.config, sim.session.sites, sim.facts(), None, {})
+    assert fp.plan.has_changes and not fp.plan.converged and fp.plan.target_sha256 == ""
+    for dp in fp.plan.devices:
+        assert [(s.kind, s.actions) for s in dp.steps] == [(StepKind.BUILD, ())]
+        assert dp.reason == "2.0.0 not built: run `sits-deployer build`"
+    with pytest.raises(SitsError, match=r"2\.0\.0 is not built, so this plan cannot be applied"):
+        _apply(sim, fp)
+    assert sim.events == [] and read_lock(sim.session.sits_dir) is None
+
+
+def test_releases_to_send_and_no_signing_key_refuse_before_anything_changes(tmp_path: Path) -> None:
+    sim = SimFleet(tmp_path, 2, signing=None)
+    fp = sim.plan()
+    refusal = apply_refusal(sim.config, fp.plan)
+    assert refusal is not None and "no signing.private_key" in refusal.message
+    assert apply_refusal(sim.config, fp.plan, signing=False) is None  # a drift check needs no key
+    with pytest.raises(SitsError, match=r"no signing\.private_key"):
+        _apply(sim, fp)
+    assert sim.of("put") == [] and read_audit(sim.session.sits_dir) == []
+
+
+def test_offline_under_fail_is_the_refusal_the_dry_run_reports(tmp_path: Path) -> None:
+    sim = SimFleet(tmp_path, 3, strategy={"type": "all-at-once", "offline": "fail"})
+    sim.devices["dev3"].script.offline = True
+    fp = sim.plan()
+    refusal = apply_refusal(sim.config, fp.plan)
+    assert refusal is not None and refusal.message == "1 device(s) offline: dev3; strategy.offline is 'fail'"
+    assert not fp.plan.converged
+    (tmp_path / "skip").mkdir()
+    skip = SimFleet(tmp_path / "skip", 3, strategy={"type": "all-at-once", "offline": "skip"})
+    skip.devices["dev3"].script.offline = True
+    assert apply_refusal(skip.config, skip.plan().plan) is None  # skipped: drift, not a refusal
+
+
+def test_a_hooks_output_reaches_the_progress_callback(tmp_path: Path) -> None:
+    sim = SimFleet(tmp_path, 2, hooks={"pre-deploy": "hooks/check.sh", "post-deploy": "hooks/check.sh"})
+    assert _run(sim).ok
+    outputs = [(d, e, x) for d, e, x in sim.events if e.endswith(" output")]
+    assert outputs[:2] == [  # every pre-deploy hook before any device changes, in order
+        ("dev1", "phase:pre-deploy output", "pre-deploy: checked dev1\n"),
+        ("dev2", "phase:pre-deploy output", "pre-deploy: checked dev2\n"),
+    ]
+    assert sorted(outputs[2:]) == [  # post-deploy, from the devices' worker threads
+        ("dev1", "phase:post-deploy output", "post-deploy: checked dev1\n"),
+        ("dev2", "phase:post-deploy output", "post-deploy: checked dev2\n"),
+    ]

@@ -19,8 +19,7 @@ def _setup(tmp_path: Path) -> tuple[DeviceRecipe, DeviceFacts, DesiredState]:
         sim.session.sites,
         {"dev1": FILES},
         {},
-        sim.target.artifact_dir,
-        (("model.safetensors", 10),),
+        ((sim.target.artifact_dir / "model.safetensors", 10),),
     )
     desired = DesiredState("2.0.0", sim.target.artifact_sha256, 10, "0.1.0", {})
     return recipe, sim.facts()[0], desired

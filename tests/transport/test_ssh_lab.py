@@ -32,6 +32,12 @@ def test_run_returns_exit_code_and_both_streams(hub, ssh_to):
     assert (result.rc, result.stdout, result.stderr) == (3, "dev1\n", "oops\n")
 
 
+def test_stream_passes_both_streams_on_and_returns_the_exit_status(hub, ssh_to):
+    seen: list[str] = []
+    rc = ssh_to(hub.device(1).address).stream("hostname; echo oops >&2; exit 3", seen.append)
+    assert (rc, "".join(seen)) == (3, "dev1\noops\n")
+
+
 def test_run_quotes_an_argv_and_reuses_the_connection(hub, ssh_to, proxy_to, host_key_line, tmp_path):
     proxy = proxy_to(hub.device(1).address)
     known = tmp_path / "known_hosts"

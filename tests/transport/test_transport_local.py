@@ -34,6 +34,21 @@ def test_run_executes_in_the_root_with_sits_root_set(device):
     assert result.stderr == "warn\n"
 
 
+def test_stream_passes_output_on_as_it_comes_and_returns_the_exit_status(device):
+    seen: list[str] = []
+    # The second line is written only once the first has arrived here: a buffered copy would hang.
+    fifo = device.root / "go"
+    os.mkfifo(fifo)
+
+    def write(text: str) -> None:
+        seen.append(text)
+        if text == "first\n":
+            fifo.write_text("x\n")
+
+    rc = device.stream('echo first; read _ < go; echo "$SITS_ROOT" >&2; exit 4', write)
+    assert (rc, seen) == (4, ["first\n", f"{device.root}\n"])
+
+
 def test_run_quotes_an_argv(device):
     assert device.run(["printf", "%s|", "a b", "$HOME"]).stdout == "a b|$HOME|"
 

@@ -92,7 +92,7 @@ class _Sampling(_Wire):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: Stop = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what a 64-bit generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1

@@ -1,29 +1,35 @@
-"""The HTTP side of the agent: routing, request bodies, JSON and SSE responses, and error mapping.
+"""The agent's public API as a Starlette app: OpenAI-compatible generation, models, health, metrics.
 
-Kept apart from server.py (lifecycle, reloads) so that each reads in one sitting. Every failure a
-client can cause is answered with an OpenAI-style error body; nothing a client sends can stop the
-server.
+Every failure a client can cause is answered with an OpenAI-style error body (404 and 405 too);
+nothing a client sends can stop the server. Generation goes through the one seam in generate.py;
+this module only parses, checks, streams and counts. A client that leaves, or stops reading for
+`stall_timeout_s`, has its generation cancelled (status 499 in the request counter).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Literal, Protocol
-from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deployer.agent.engines.base import Engine, EngineInfo, TokenEvent
-from deployer.agent.hotswap import ModelManager, SwapResult, Unavailable
-from deployer.agent.http.admission import Admission, Overloaded, QueueTimeout
-from deployer.agent.http.metrics import AgentMetrics
+from deployer.agent.engines.base import EngineInfo, SamplingParams, TokenEvent
+from deployer.agent.hotswap import ModelManager, SwapResult
+from deployer.agent.http.auth import KeyRing
+from deployer.agent.http.generate import Cancelled, Generation, Job, TokenSource
+from deployer.agent.http.metrics import CONTENT_TYPE, AgentMetrics
 from deployer.agent.http.openai_schemas import (
     ApiError,
     ChatCompletionRequest,
@@ -37,329 +43,336 @@ from deployer.agent.http.openai_schemas import (
     usage,
 )
 from deployer.agent.settings import AgentSettings
-from deployer.agent.slot import ModelSlot
-from deployer.errors import SitsError
+from deployer.agent.store import DeviceStore
 
-__all__ = ["RequestHandler"]
+__all__ = [
+    "AgentApp",
+    "build_api",
+    "endpoint",
+    "error_response",
+    "http_error",
+    "info_routes",
+    "model_id",
+    "read_json",
+]
 
 _log = logging.getLogger("sits.agent")
 Kind = Literal["chat", "completion"]
-# Errors a socket write raises once the client has gone.
-_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
-
-
-class ReloadRequest(BaseModel):
-    """Body of POST /admin/reload; empty means "the store's current version"."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    version: str | None = Field(default=None, min_length=1)
-    artifact_dir: Path | None = None
-    reason: Literal["reload", "update", "rollback"] = "reload"
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # never behind a key: probes and load balancers
+API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics", *OPEN_PATHS})
+GONE = 499  # nginx's "client closed request", as counted in sits_requests_total
 
 
 class AgentApp(Protocol):
-    """What a connection needs of the server it belongs to (the server implements it; routes never
-    import the server, so the two modules do not depend on each other)."""
+    """What the routes need of the server (the server implements it; routes never import it)."""
 
     settings: AgentSettings
     metrics: AgentMetrics
     manager: ModelManager
-    admission: Admission
+    source: TokenSource
+    store: DeviceStore
+    keyring: KeyRing
 
     def reload(
         self, artifact_dir: Path | None = None, version: str | None = None, *, reason: str = "reload"
     ) -> SwapResult: ...
 
 
-class RequestHandler(BaseHTTPRequestHandler):
-    """One connection; HTTP/1.1 keep-alive, chunked transfer for streams."""
+# -- plumbing shared with the admin app ------------------------------------------------------------
 
-    protocol_version = "HTTP/1.1"
-    server_version = "sits-agent"
 
-    # -- plumbing --------------------------------------------------------------------------------
+def error_response(exc: ApiError) -> JSONResponse:
+    """An ApiError as its HTTP response."""
+    return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
-    @property
-    def app(self) -> AgentApp:
-        """The AgentApp this connection belongs to."""
-        return self.server.app  # type: ignore[attr-defined]
 
-    @property
-    def settings(self) -> AgentSettings:
-        """The agent's settings."""
-        return self.app.settings
+def endpoint(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """Answer ApiError with its body and any other failure with a 500 body, keeping the connection."""
 
-    def setup(self) -> None:
-        """Bound how long an idle or slow client may hold its connection."""
-        self.timeout = self.server.app.settings.request_timeout_s  # type: ignore[attr-defined]
-        super().setup()
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Access lines go to the debug log, not stderr: the journal keeps lifecycle events."""
-        _log.debug("%s %s", self.address_string(), format % args)
-
-    def do_GET(self) -> None:
-        """GET routes."""
-        self._dispatch(
-            {
-                "/healthz": self._healthz,
-                "/readyz": self._readyz,
-                "/metrics": self._metrics,
-                "/v1/models": self._models,
-            }
-        )
-
-    def do_POST(self) -> None:
-        """POST routes."""
-        self._dispatch(
-            {
-                "/v1/chat/completions": lambda: self._generate("chat"),
-                "/v1/completions": lambda: self._generate("completion"),
-                "/admin/reload": self._reload,
-            }
-        )
-
-    def _dispatch(self, routes: dict[str, Callable[[], int]]) -> None:
-        path = urlsplit(self.path).path.rstrip("/") or "/"
-        route = routes.get(path)
+    async def wrapped(request: Request) -> Response:
         try:
-            if route is None:
-                raise ApiError(404, f"no route {self.command} {path}", code="not_found")
-            status = route()
+            return await fn(request)
         except ApiError as exc:
-            status = self._send_json(exc.status, exc.body(), exc.headers)
+            return error_response(exc)
         except Exception as exc:
-            # A bug or a foreign failure (e.g. a chat template error) answers 500; the server stays up.
-            _log.exception("unhandled error on %s %s", self.command, path)
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
-            status = self._send_json(500, error.body())
-        self.app.metrics.requests.inc(endpoint=path if route else "other", status=str(status))
+            _log.exception("unhandled error on %s %s", request.method, request.url.path)
+            error = ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error")
+            return error_response(error)
 
-    def _send_json(self, status: int, body: dict, headers: dict[str, str] | None = None) -> int:
-        self._send_bytes(status, json.dumps(body).encode(), "application/json", headers)
-        return status
+    return wrapped
 
-    def _send_bytes(
-        self, status: int, data: bytes, content_type: str, headers: dict[str, str] | None = None
-    ) -> None:
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 / 405, in the OpenAI error shape."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    if exc.status_code == 405:
+        error = ApiError(
+            405, f"{request.method} is not allowed on {path}", code="method_not_allowed", headers=exc.headers
+        )
+    else:
+        error = ApiError(exc.status_code, f"no route {request.method} {path}", code="not_found")
+    return error_response(error)
+
+
+def _status_of(request: Request, status: int) -> None:
+    """Record the status the request counter should see (a stream's outcome is known only at its end)."""
+    request.scope["sits"]["status"] = status
+
+
+class _Counted:
+    """Counts every request in sits_requests_total{endpoint, status}."""
+
+    def __init__(self, app: ASGIApp, metrics: AgentMetrics, known: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.known = known
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope["sits"] = holder = {}
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                holder.setdefault("status", message["status"])
+            await send(message)
+
         try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            self.end_headers()
-            self.wfile.write(data)
-        except _GONE:
-            self.close_connection = True
+            await self.app(scope, receive, counting_send)
+        finally:
+            path = scope["path"]
+            endpoint = path if path in self.known else "other"
+            self.metrics.requests.labels(endpoint=endpoint, status=str(holder.get("status", GONE))).inc()
 
-    def _read_json(self) -> object:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
-            raise ApiError(411, "send the body with a Content-Length, not chunked", code="length_required")
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            length = -1
-        if length < 0:
-            self.close_connection = True
-            raise ApiError(400, "the Content-Length header is not a number", code="invalid_request")
-        if length > self.settings.max_request_bytes:
-            self.close_connection = True  # the body stays unread, so this connection cannot be reused
-            raise ApiError(
-                413,
-                f"the request body has {length} bytes; "
-                f"this agent accepts at most {self.settings.max_request_bytes}",
-                code="request_too_large",
-            )
-        raw = self.rfile.read(length) if length else b""
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
 
-    # -- health, metrics, models -----------------------------------------------------------------
+class _Guard:
+    """Header size (h11 bounds only headers still arriving), then bearer keys on every route but
+    the open ones (and /metrics when metrics_auth is "none")."""
 
-    def _healthz(self) -> int:
-        return self._send_json(200, {"status": "ok"})
+    def __init__(self, app: ASGIApp, server: AgentApp) -> None:
+        self.app = app
+        self.server = server
 
-    def _readyz(self) -> int:
-        info = self.app.manager.active_info()
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        limit = self.server.settings.max_header_bytes
+        if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > limit:
+            error = ApiError(431, f"the request headers exceed {limit} bytes", code="headers_too_large")
+            await error_response(error)(scope, receive, send)
+            return
+        exempt = path in OPEN_PATHS or (path == "/metrics" and self.server.settings.metrics_auth == "none")
+        if scope["type"] == "http" and not exempt:
+            verdict = self.server.keyring.check(Headers(scope=scope).get("authorization"))
+            if verdict != "ok":
+                self.server.metrics.auth_failures.labels(reason=verdict).inc()
+                message = (
+                    "missing API key: send `Authorization: Bearer <key>`"
+                    if verdict == "missing"
+                    else "invalid API key"
+                )
+                error = ApiError(
+                    401,
+                    message,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def read_json(request: Request, settings: AgentSettings) -> object:
+    """The request body as JSON: 413 past max_request_bytes, 408 past request_timeout_s, 400 when it
+    is not JSON (including NaN, Infinity and nesting too deep to parse)."""
+    limit = settings.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and int(declared) > limit:  # h11 has checked it is a number
+        raise _too_large(int(declared), limit)
+    body = bytearray()
+    try:
+        async with asyncio.timeout(settings.request_timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise _too_large(len(body), limit)
+    except TimeoutError:
+        raise ApiError(
+            408, f"the body did not arrive within {settings.request_timeout_s:g} s", code="request_timeout"
+        ) from None
+    try:
+        return json.loads(body or b"null", parse_constant=_no_constants)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body has {size} bytes or more; this agent accepts at most {limit}",
+        code="request_too_large",
+    )
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    """Return when the client has gone (uvicorn also says so once the response is complete)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- health, metrics, models -----------------------------------------------------------------------
+
+
+def info_routes(server: AgentApp) -> list[Route]:
+    """/healthz, /readyz, /metrics and /v1/models (the admin socket serves them too)."""
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        info = server.manager.active_info()
         if info is None:
-            return self._send_json(503, {"status": "not ready", "swapping": self.app.manager.swapping})
-        return self._send_json(200, {"status": "ready", "version": info.version})
+            return JSONResponse({"status": "not ready", "swapping": server.manager.swapping}, 503)
+        return JSONResponse({"status": "ready", "version": info.version})
 
-    def _metrics(self) -> int:
-        data = self.app.metrics.render().encode()
-        self._send_bytes(200, data, "text/plain; version=0.0.4; charset=utf-8")
-        return 200
+    async def metrics(request: Request) -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    def _models(self) -> int:
+    async def models(request: Request) -> Response:
         entries = [
             _model_entry(info, status)
             for info, status in (
-                (self.app.manager.active_info(), "active"),
-                (self.app.manager.previous_info(), "previous"),
+                (server.manager.active_info(), "active"),
+                (server.manager.previous_info(), "previous"),
             )
             if info is not None
         ]
-        return self._send_json(200, {"object": "list", "data": entries})
+        return JSONResponse({"object": "list", "data": entries})
 
-    # -- control ---------------------------------------------------------------------------------
-
-    def _reload(self) -> int:
-        if not _is_loopback(self.client_address[0]):
-            raise ApiError(403, "/admin/reload answers loopback clients only", type_="permission_error")
-        try:
-            body = ReloadRequest.model_validate(self._read_json() or {})
-        except ValidationError as exc:
-            raise ApiError(
-                400, f"invalid reload request: {exc.errors()[0]['msg']}", code="invalid_value"
-            ) from exc
-        try:
-            result = self.app.reload(body.artifact_dir, body.version, reason=body.reason)
-        except SitsError as exc:
-            raise ApiError(409, exc.message, type_="reload_error", code="no_version") from exc
-        return self._send_json(200 if result.ok else 409, result.to_dict())
-
-    # -- generation ------------------------------------------------------------------------------
-
-    def _generate(self, kind: Kind) -> int:
-        started = time.monotonic()
-        model = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        request = parse_request(model, self._read_json())
-        timeout = self.settings.request_timeout_s
-        try:
-            with self.app.admission.slot(timeout), self.app.manager.lease() as slot:
-                prompt = slot.call(lambda engine: _tokenize(engine, request), timeout)
-                max_tokens = _max_tokens(request, len(prompt), slot.info.context_length, self.settings)
-                self.app.metrics.prompt_tokens.inc(len(prompt))
-                with contextlib.closing(slot.stream(prompt, request.sampling(max_tokens), timeout)) as events:
-                    run = _Run(
-                        kind, new_id("chatcmpl" if kind == "chat" else "cmpl"), _model_id(slot), started
-                    )
-                    if request.stream:
-                        return self._stream(run, events, len(prompt), request.include_usage())
-                    return self._complete(run, events, len(prompt))
-        except Overloaded as exc:
-            raise ApiError(
-                429,
-                f"the agent is at capacity ({exc}); retry later",
-                type_="rate_limit_error",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            ) from exc
-        except QueueTimeout as exc:
-            raise ApiError(
-                503,
-                f"{exc}; retry later",
-                type_="server_error",
-                code="queue_timeout",
-                headers={"Retry-After": "1"},
-            ) from exc
-        except SitsError as exc:
-            # Raised before any token (tokenizing, the engine refusing parameters): the request's fault.
-            raise ApiError(400, exc.message, code="invalid_request") from exc
-        except Unavailable as exc:
-            raise ApiError(
-                503,
-                str(exc),
-                type_="server_error",
-                code="model_unavailable",
-                headers={"Retry-After": str(exc.retry_after_s)},
-            ) from exc
-
-    def _complete(self, run: _Run, events: Iterator[TokenEvent], prompt_tokens: int) -> int:
-        try:
-            parts = [event.text for event in run.track(events, self.app)]
-        except Exception as exc:
-            raise _engine_failure(exc) from exc
-        usage_ = usage(prompt_tokens, run.tokens)
-        text = "".join(parts)
-        if run.kind == "chat":
-            return self._send_json(200, chat_response(run.rid, run.model, text, run.finish, usage_))
-        return self._send_json(200, completion_response(run.rid, run.model, text, run.finish, usage_))
-
-    def _stream(
-        self, run: _Run, events: Iterator[TokenEvent], prompt_tokens: int, include_usage: bool
-    ) -> int:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        chunk = _chunk_maker(run)
-        try:
-            if run.kind == "chat":
-                self._sse(chat_chunk(run.rid, run.model, {"role": "assistant", "content": ""}, None))
-            try:
-                for event in run.track(events, self.app):
-                    if event.text:
-                        self._sse(chunk(event.text, None))
-                self._sse(chunk("", run.finish))
-                if include_usage:
-                    self._sse(chunk("", None, usage(prompt_tokens, run.tokens)))
-            except _GONE:
-                raise
-            except Exception as exc:
-                # Headers are sent: the failure can only travel as an event in the stream.
-                self._sse(_engine_failure(exc).body())
-            self._write_chunk(b"data: [DONE]\n\n")
-            self._write_chunk(b"")
-        except _GONE:
-            # The client left: closing `events` (by our caller) frees the engine and the slot.
-            self.close_connection = True
-            _log.debug("client %s left mid-stream after %d tokens", self.address_string(), run.tokens)
-            return 499
-        return 200
-
-    def _sse(self, body: dict) -> None:
-        self._write_chunk(b"data: " + json.dumps(body).encode() + b"\n\n")
-
-    def _write_chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
+    return [
+        Route("/healthz", endpoint(healthz)),
+        Route("/readyz", endpoint(readyz)),
+        Route("/metrics", endpoint(metrics)),
+        Route("/v1/models", endpoint(models)),
+    ]
 
 
-class _Run:
-    """Bookkeeping of one generation: id, model, tokens, finish reason, and its latency metrics."""
-
-    def __init__(self, kind: Kind, rid: str, model: str, started: float) -> None:
-        self.kind = kind
-        self.rid = rid
-        self.model = model
-        self.started = started
-        self.tokens = 0
-        self.finish = "stop"
-
-    def track(self, events: Iterator[TokenEvent], app: AgentApp) -> Iterator[TokenEvent]:
-        """Pass events through, counting tokens and observing TTFT and end-to-end latency."""
-        for event in events:
-            if event.token_id is not None:
-                if self.tokens == 0:
-                    app.metrics.ttft.observe(time.monotonic() - self.started)
-                self.tokens += 1
-                app.metrics.generation_tokens.inc()
-            if event.finish_reason is not None:
-                self.finish = event.finish_reason
-            yield event
-        app.metrics.e2e.observe(time.monotonic() - self.started)
+def model_id(info: EngineInfo) -> str:
+    """The id /v1/models lists and responses carry: `<model>@<version>`."""
+    return f"{info.model}@{info.version}"
 
 
-def _chunk_maker(run: _Run) -> Callable[..., dict]:
-    """`chunk(text, finish_reason, usage=None)` in the run's wire form (chat delta or completion text)."""
-    if run.kind == "chat":
-        return lambda text, finish, usage_=None: chat_chunk(
-            run.rid, run.model, {"content": text} if text else {}, finish, usage_
+def _model_entry(info: EngineInfo, status: str) -> dict:
+    return {
+        "id": model_id(info),
+        "object": "model",
+        "created": 0,
+        "owned_by": "sits",
+        "status": status,
+        "loaded": status == "active",
+        "version": info.version,
+        "quantization": info.quantization,
+        "kernel": info.kernel,
+        "engine": info.engine,
+        "device": info.device,
+        "context_length": info.context_length,
+    }
+
+
+# -- generation ------------------------------------------------------------------------------------
+
+
+def _generation_routes(server: AgentApp) -> list[Route]:
+    async def chat(request: Request) -> Response:
+        return await _generate(server, request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await _generate(server, request, "completion")
+
+    return [
+        Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
+    ]
+
+
+async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
+    started = time.monotonic()
+    settings = server.settings
+    try:
+        data = await read_json(request, settings)
+    except ClientDisconnect:
+        _status_of(request, GONE)
+        return Response(status_code=GONE)
+    body = parse_request(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
+    job = Job(
+        messages=tuple(m.to_chat_message() for m in body.messages) if kind == "chat" else None,
+        text=body.prompt_text() if isinstance(body, CompletionRequest) else None,
+        plan=lambda prompt_len, info: _plan(body, prompt_len, info, settings),
+        timeout_s=settings.request_timeout_s,
+    )
+    gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        generation = await _start(server, job, gone)
+    except Cancelled:
+        _status_of(request, GONE)
+        server.metrics.cancelled.labels(reason="disconnect").inc()
+        return Response(status_code=GONE)
+    except BaseException:
+        gone.cancel()
+        raise
+    gone.add_done_callback(lambda _: generation.cancel())
+    server.metrics.prompt_tokens.inc(generation.started.prompt_tokens)
+    run = _Run(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"), generation, started, server.metrics)
+    if body.stream:
+        return _EventStream(run, body.include_usage(), gone, request, settings.stall_timeout_s)
+    try:
+        text = "".join([event.text async for event in run.events()])
+    except Cancelled:
+        _status_of(request, GONE)
+        server.metrics.cancelled.labels(reason="disconnect").inc()
+        return Response(status_code=GONE)
+    finally:
+        gone.cancel()
+    usage_ = usage(run.prompt_tokens, run.tokens)
+    make = chat_response if kind == "chat" else completion_response
+    return JSONResponse(make(run.rid, run.model, text, run.finish, usage_))
+
+
+async def _start(server: AgentApp, job: Job, gone: asyncio.Future) -> Generation:
+    """Start the job, or raise Cancelled when the client leaves first (e.g. while queued)."""
+    start = asyncio.ensure_future(server.source.start(job))
+    await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if start.done():
+        return start.result()
+    start.cancel()
+    with contextlib.suppress(asyncio.CancelledError, ApiError, Cancelled):
+        await start
+    raise Cancelled()
+
+
+def _plan(
+    request: ChatCompletionRequest | CompletionRequest,
+    prompt_len: int,
+    info: EngineInfo,
+    settings: AgentSettings,
+) -> SamplingParams:
+    """Check the model name and the token budget against the model that will answer."""
+    if request.model not in {info.model, model_id(info)}:
+        raise ApiError(
+            404,
+            f"the model {request.model!r} does not exist here; this agent serves {model_id(info)!r} "
+            f"(also accepted: {info.model!r})",
+            param="model",
+            code="model_not_found",
         )
-    return lambda text, finish, usage_=None: completion_chunk(run.rid, run.model, text, finish, usage_)
-
-
-def _tokenize(engine: Engine, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
-    if isinstance(request, ChatCompletionRequest):
-        return engine.chat_prompt([m.to_chat_message() for m in request.messages])
-    return engine.encode(request.prompt_text())
+    return request.sampling(_max_tokens(request, prompt_len, info.context_length, settings))
 
 
 def _max_tokens(
@@ -396,41 +409,126 @@ def _max_tokens(
     return requested
 
 
-def _engine_failure(exc: Exception) -> ApiError:
-    _log.error("generation failed: %s: %s", type(exc).__name__, exc)
-    return ApiError(500, f"generation failed: {exc}", type_="server_error", code="engine_error")
+class _Run:
+    """One generation's bookkeeping: id, model, tokens, finish reason, and its latency metrics."""
+
+    def __init__(
+        self, kind: Kind, rid: str, generation: Generation, started: float, metrics: AgentMetrics
+    ) -> None:
+        self.kind = kind
+        self.rid = rid
+        self.generation = generation
+        self.model = model_id(generation.started.info)
+        self.prompt_tokens = generation.started.prompt_tokens
+        self.started = started
+        self.metrics = metrics
+        self.tokens = 0
+        self.finish = "stop"
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """The generation's events, counting tokens and observing TTFT and end-to-end latency."""
+        async for event in self.generation.events():
+            if event.token_id is not None:
+                if self.tokens == 0:
+                    self.metrics.ttft.observe(time.monotonic() - self.started)
+                self.tokens += 1
+                self.metrics.generation_tokens.inc()
+            if event.finish_reason is not None:
+                self.finish = event.finish_reason
+            yield event
+        self.metrics.e2e.observe(time.monotonic() - self.started)
+
+    def chunk(self, text: str, finish: str | None, usage_: dict | None = None) -> dict:
+        """One stream chunk in the run's wire form (chat delta or completion text)."""
+        if self.kind == "chat":
+            return chat_chunk(self.rid, self.model, {"content": text} if text else {}, finish, usage_)
+        return completion_chunk(self.rid, self.model, text, finish, usage_)
 
 
-def _model_id(slot: ModelSlot) -> str:
-    return model_id(slot.info)
+def _sse(body: dict) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def model_id(info: EngineInfo) -> str:
-    """The id /v1/models lists and responses carry: `<model>@<version>`."""
-    return f"{info.model}@{info.version}"
+class _EventStream(Response):
+    """Server-sent events fed by a generation; each write must drain within the stall deadline."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, run: _Run, include_usage: bool, gone: asyncio.Future, request: Request, stall_s: float
+    ) -> None:
+        super().__init__()
+        # Chunked: no Content-Length (Response would write 0 for an empty body).
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+        ]
+        self.run = run
+        self.include_usage = include_usage
+        self.gone = gone
+        self.request = request
+        self.stall_s = stall_s
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        run = self.run
+        if run.kind == "chat":
+            yield _sse(chat_chunk(run.rid, run.model, {"role": "assistant", "content": ""}, None))
+        try:
+            async for event in run.events():
+                if event.text:
+                    yield _sse(run.chunk(event.text, None))
+            yield _sse(run.chunk("", run.finish))
+            if self.include_usage:
+                yield _sse(run.chunk("", None, usage(run.prompt_tokens, run.tokens)))
+        except ApiError as exc:
+            # Headers are sent: the failure can only travel as an event in the stream.
+            yield _sse(exc.body())
+        yield b"data: [DONE]\n\n"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        metrics = self.run.metrics
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for data in self._chunks():
+                try:
+                    async with asyncio.timeout(self.stall_s):
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                except TimeoutError:
+                    # The client stopped reading: free the engine; the server closes the connection.
+                    self.run.generation.cancel()
+                    metrics.cancelled.labels(reason="stalled").inc()
+                    _status_of(self.request, GONE)
+                    return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Cancelled:
+            metrics.cancelled.labels(reason="disconnect").inc()
+            _status_of(self.request, GONE)
+        finally:
+            self.gone.cancel()
+            self.run.generation.cancel()
 
 
-def _model_entry(info: EngineInfo, status: str) -> dict:
-    return {
-        "id": model_id(info),
-        "object": "model",
-        "created": 0,
-        "owned_by": "sits",
-        "status": status,
-        "loaded": status == "active",
-        "version": info.version,
-        "quantization": info.quantization,
-        "kernel": info.kernel,
-        "engine": info.engine,
-        "device": info.device,
-        "context_length": info.context_length,
-    }
+# -- the app ---------------------------------------------------------------------------------------
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
+def build_api(server: AgentApp) -> ASGIApp:
+    """The public API app: routes, OpenAI-shaped errors, API keys, the request counter."""
+
+    async def admin_elsewhere(request: Request) -> Response:
+        raise ApiError(
+            403,
+            "the admin surface is not on the API port; on the device, use `sits-agent reload` "
+            f"(it talks to the unix socket {server.settings.admin_socket_path})",
+            type_="permission_error",
+            code="admin_not_here",
+        )
+
+    app = Starlette(
+        routes=[
+            *info_routes(server),
+            *_generation_routes(server),
+            Route("/admin/{rest:path}", endpoint(admin_elsewhere), methods=["GET", "POST", "PUT", "DELETE"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+    )
+    return _Counted(_Guard(app, server), server.metrics, API_PATHS)

@@ -1,37 +1,54 @@
-"""The agent's HTTP server: OpenAI-compatible inference, health, metrics, and the reload control.
+"""The agent's HTTP server: the OpenAI-compatible API on TCP, the admin surface on a unix socket,
+both served by uvicorn on one event loop thread.
 
-Endpoints::
+API port (routes.py; bearer API keys beyond loopback, optional TLS)::
 
     POST /v1/chat/completions   chat, non-streamed or SSE (`data: {chunk}` ... `data: [DONE]`)
     POST /v1/completions        plain-text completion, same options
     GET  /v1/models             the active model and the previous one (version, quantization, kernel)
-    GET  /healthz               the process is alive (always 200)
-    GET  /readyz                200 when a warmed, smoke-tested model is active, else 503
-    GET  /metrics               Prometheus text format
-    POST /admin/reload          loopback clients only: swap to a version (default: the store's
-                                `current` pointer); answers the SwapResult, 200 or 409
+    GET  /healthz               the process is alive (always 200, no key)
+    GET  /readyz                200 when a warmed, smoke-tested model is active, else 503 (no key)
+    GET  /metrics               Prometheus text format (key unless metrics_auth: none)
+
+Admin socket (admin.py; `<root>/run/sits/admin.sock`, the agent's user and root only)::
+
+    POST /admin/reload          swap to a verified version of the store (default: `current`);
+                                answers the SwapResult, 200 or 409
+    and the four GET routes above.
 
 Reloads come from `POST /admin/reload` (what `sits-agent reload` and the updater call, and what
 the unit's ExecReload runs) or from SIGHUP, which re-reads the store's `current` pointer in the
-background. Runs on the standard library's ThreadingHTTPServer: one thread per connection; admission
-control bounds how many of them generate or wait.
+background. Each reload re-reads the API key file too, so a rotated key takes effect with it.
+uvicorn does the HTTP/1.1 work (keep-alive, chunked bodies, header limits, TLS); protocol.py adds
+the connection cap and deadlines; generation runs off the loop behind generate.py's seam.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import os
 import signal
+import socket
+import stat
 import threading
 from collections.abc import Callable
-from http.server import ThreadingHTTPServer
 from pathlib import Path
+
+import uvicorn
+from starlette.types import ASGIApp
 
 from deployer.agent.engines.base import Engine
 from deployer.agent.hotswap import ModelManager, SwapResult
+from deployer.agent.http.admin import build_admin
 from deployer.agent.http.admission import Admission
+from deployer.agent.http.auth import KeyRing, load_keyring
+from deployer.agent.http.generate import SlotTokenSource, TokenSource
 from deployer.agent.http.metrics import AgentMetrics
-from deployer.agent.http.routes import RequestHandler
+from deployer.agent.http.protocol import ConnectionLimits, own_uids, protocol_class
+from deployer.agent.http.routes import build_api
 from deployer.agent.notify import Notifier, Watchdog, configure_journal_logging, lifecycle_event
 from deployer.agent.settings import AgentSettings
 from deployer.agent.store import DeviceStore
@@ -40,16 +57,12 @@ from deployer.errors import AgentError
 __all__ = ["AgentServer", "run_server"]
 
 _log = logging.getLogger("sits.agent")
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True  # a stuck client connection must not block shutdown
-    allow_reuse_address = True
-    app: AgentServer
+_UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+_LOOP_CHECK_S = 5.0
 
 
 class AgentServer:
-    """The model manager, admission control, metrics and HTTP listener of one agent."""
+    """The model manager, admission control, metrics and the two listeners of one agent."""
 
     def __init__(
         self,
@@ -63,44 +76,126 @@ class AgentServer:
         self.notifier = notifier or Notifier()
         self.store = DeviceStore(settings.root)
         self.manager = ModelManager(engine_factory, settings, on_swap=self._record_swap)
-        self._http: _HTTPServer | None = None
-        self._thread: threading.Thread | None = None
         self.admission = Admission(settings.max_concurrent, settings.queue_length, self._record_counts)
+        self.source: TokenSource = SlotTokenSource(self.manager, self.admission)
+        self.keyring: KeyRing = self._read_keys()
+        self._servers: list[uvicorn.Server] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._port: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     @property
     def port(self) -> int:
-        """The port listened on (useful with port 0 in tests)."""
-        if self._http is None:
+        """The TCP port listened on (useful with port 0 in tests)."""
+        if self._port is None:
             raise AgentError("the agent server is not started", hint="call start() first")
-        return self._http.server_address[1]
+        return self._port
+
+    @property
+    def admin_socket(self) -> Path:
+        """The admin unix socket's path."""
+        return self.settings.admin_socket_path
 
     def start(self) -> int:
-        """Listen and serve in a background thread; return the port."""
+        """Bind both listeners, serve them on a background event loop; return the TCP port.
+
+        Raises AgentError when an address cannot be bound or the TLS files cannot be read."""
+        api_sock = _listen_tcp(self.settings)
         try:
-            self._http = _HTTPServer((self.settings.host, self.settings.port), RequestHandler)
-        except OSError as exc:
-            raise AgentError(
-                f"cannot listen on {self.settings.host}:{self.settings.port}: {exc.strerror}",
-                hint="another process holds the port, or the host is not an address of this device; "
-                "change host/port in agent.yaml",
-            ) from exc
-        self._http.app = self
-        self._thread = threading.Thread(target=self._http.serve_forever, name="sits-http", daemon=True)
+            admin_sock = _listen_unix(self.settings.admin_socket_path, self.settings.listen_backlog)
+        except BaseException:
+            api_sock.close()
+            raise
+        self._port = api_sock.getsockname()[1]
+        s = self.settings
+        api_limits = ConnectionLimits(s.max_connections, s.header_timeout_s, s.keep_alive_timeout_s)
+        admin_limits = ConnectionLimits(16, s.header_timeout_s, s.keep_alive_timeout_s, own_uids())
+        self._servers = [
+            uvicorn.Server(self._config(build_api(self), api_limits, tls=True)),
+            uvicorn.Server(self._config(build_admin(self), admin_limits, tls=False)),
+        ]
+        for server in self._servers:
+            try:
+                server.config.load()  # TLS files are read here: fail in start(), not on the loop
+            except (OSError, ValueError) as exc:
+                api_sock.close()
+                admin_sock.close()
+                raise AgentError(
+                    f"cannot load the TLS certificate {s.tls_certfile} / key {s.tls_keyfile}: {exc}",
+                    hint="check the paths and that the agent's user can read them",
+                ) from exc
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, args=([api_sock], [admin_sock], started), name="sits-http", daemon=True
+        )
         self._thread.start()
-        lifecycle_event("listening", version=None, reason=f"{self.settings.host}:{self.port}")
+        started.wait()
+        if not self.alive():
+            raise AgentError("the HTTP server stopped while starting", hint="see the journal")
+        scheme = "https" if s.tls_certfile else "http"
+        lifecycle_event("listening", version=None, reason=f"{scheme}://{s.host}:{self.port}")
         return self.port
 
+    def _config(self, app: ASGIApp, limits: ConnectionLimits, *, tls: bool) -> uvicorn.Config:
+        s = self.settings
+        return uvicorn.Config(
+            app,
+            http=protocol_class(limits, self.metrics),
+            lifespan="off",
+            log_config=None,
+            access_log=False,  # access lines would carry client addresses at INFO; never keys
+            server_header=False,
+            timeout_keep_alive=int(max(1, s.keep_alive_timeout_s)),
+            timeout_graceful_shutdown=int(max(1, s.drain_timeout_s)),
+            h11_max_incomplete_event_size=s.max_header_bytes,
+            backlog=s.listen_backlog,
+            ssl_certfile=str(s.tls_certfile) if tls and s.tls_certfile else None,
+            ssl_keyfile=str(s.tls_keyfile) if tls and s.tls_keyfile else None,
+        )
+
+    def _serve(self, api: list[socket.socket], admin: list[socket.socket], started: threading.Event) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            tasks = [
+                asyncio.ensure_future(server.serve(sockets=socks))
+                for server, socks in zip(self._servers, (api, admin), strict=True)
+            ]
+            # uvicorn has no start hook for pre-bound sockets: look until both run (or one failed).
+            while not all(s.started for s in self._servers) and not any(t.done() for t in tasks):
+                await asyncio.sleep(0.005)
+            started.set()
+            await asyncio.gather(*tasks)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            _log.error("the HTTP server stopped: %s: %s", type(exc).__name__, exc)
+        finally:
+            started.set()
+
     def alive(self) -> bool:
-        """The HTTP loop is running (the watchdog pings only while it is)."""
-        return self._thread is not None and self._thread.is_alive()
+        """The event loop runs and answers (the watchdog pings only while it does)."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return False
+        try:
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(_LOOP_CHECK_S)
+        except Exception:
+            return False
+        return True
 
     def stop(self) -> None:
-        """Stop listening and retire the model (in-flight requests finish first)."""
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+        """Stop listening (in-flight requests get drain_timeout_s to finish) and retire the model."""
+        for server in self._servers:
+            server.should_exit = True
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self.source.cancel_all)
+            self._thread.join(self.settings.drain_timeout_s + 10)
+        with contextlib.suppress(FileNotFoundError):
+            self.settings.admin_socket_path.unlink()
         self.manager.shutdown()
 
     # -- reloads -------------------------------------------------------------------------------
@@ -108,7 +203,11 @@ class AgentServer:
     def reload(
         self, artifact_dir: Path | None = None, version: str | None = None, *, reason: str = "reload"
     ) -> SwapResult:
-        """Swap to `version` (default: what the store's `current` pointer names), telling systemd."""
+        """Swap to `version` (default: what the store's `current` pointer names), telling systemd.
+
+        `artifact_dir` is for in-process callers (tests, the demo); the admin socket never passes one.
+        """
+        self.keyring = self._read_keys()
         artifact_dir, version = self._resolve(artifact_dir, version)
         self.notifier.reloading(f"loading {version}")
         result = self.manager.swap_to(artifact_dir, version, reason=reason)
@@ -119,6 +218,9 @@ class AgentServer:
         else:
             self.notifier.status(f"{status}; {version} refused: {result.reason}")
         return result
+
+    def _read_keys(self) -> KeyRing:
+        return load_keyring(self.settings.api_keys_path, required=not self.settings.loopback_only)
 
     def _resolve(self, artifact_dir: Path | None, version: str | None) -> tuple[Path, str]:
         if artifact_dir is not None:
@@ -135,23 +237,22 @@ class AgentServer:
 
     def _record_swap(self, result: SwapResult, reason: str) -> None:
         outcome = "success" if result.ok else "failure"
-        self.metrics.reloads.inc(result=outcome)
+        self.metrics.reloads.labels(result=outcome).inc()
         if reason == "rollback":
-            self.metrics.rollbacks.inc(result=outcome)
+            self.metrics.rollbacks.labels(result=outcome).inc()
         if result.restored:  # unload-first put the old model back: a rollback of its own
-            self.metrics.rollbacks.inc(result="success")
+            self.metrics.rollbacks.labels(result="success").inc()
         info = self.manager.active_info()
         self.metrics.model_info.clear()
         if info is not None:
-            self.metrics.model_info.set(
-                1,
+            self.metrics.model_info.labels(
                 model=info.model,
                 version=info.version,
                 quantization=info.quantization,
                 kernel=info.kernel,
                 engine=info.engine,
                 device=info.device,
-            )
+            ).set(1)
 
     def _record_counts(self, running: int, waiting: int) -> None:
         self.metrics.running.set(running)
@@ -218,3 +319,59 @@ def _reload_from_signal(server: AgentServer) -> None:
         lifecycle_event("swap-failed", version=None, reason=exc.message)
         return
     _log.info("sits-agent reload %s", json.dumps(result.to_dict(), sort_keys=True))
+
+
+def _listen_tcp(settings: AgentSettings) -> socket.socket:
+    """The API's listening socket, bound here so that port 0 can be read back before serving."""
+    host, port = settings.host, settings.port
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(settings.listen_backlog)
+        except BaseException:
+            sock.close()
+            raise
+    except OSError as exc:
+        raise AgentError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+            hint="another process holds the port, or the host is not an address of this device; "
+            "change host/port in agent.yaml",
+        ) from exc
+    sock.setblocking(False)
+    return sock
+
+
+def _listen_unix(path: Path, backlog: int) -> socket.socket:
+    """The admin socket: in a directory only the agent's user can enter, itself mode 0600."""
+    if len(os.fsencode(path)) > _UNIX_PATH_MAX:
+        raise AgentError(
+            f"the admin socket path {path} is longer than a unix socket allows ({_UNIX_PATH_MAX} bytes)",
+            hint="set a shorter admin_socket in agent.yaml",
+        )
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.parent.stat().st_uid == os.getuid():
+            path.parent.chmod(0o700)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()  # left by a previous run that was killed
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(path))
+            path.chmod(0o600)
+            sock.listen(backlog)
+        except BaseException:
+            sock.close()
+            raise
+    except OSError as exc:
+        raise AgentError(
+            f"cannot create the admin socket {path}: {exc.strerror or exc}",
+            hint="under systemd the unit's RuntimeDirectory=sits provides /run/sits; elsewhere the "
+            "agent's user needs write access to its parent directory",
+        ) from exc
+    sock.setblocking(False)
+    return sock

@@ -1,0 +1,111 @@
+"""The admin surface: POST /admin/reload on a unix socket that only the agent's user (and root) can
+use, apart from the API port.
+
+A reload names a version already verified and recorded in the device store (or none: the store's
+`current` pointer); it never takes a path, so nothing but what `sits-agent install` verified can
+be served. Requests a browser could send are refused: any `Origin` or `Sec-Fetch-Site` header
+(403), and a POST whose body is not declared as JSON (415), which no cross-site form can declare
+without a preflight. The read-only routes (/healthz, /readyz, /metrics, /v1/models) are served
+here too, so the device's own commands need no API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from deployer.agent.http.openai_schemas import ApiError
+from deployer.agent.http.routes import AgentApp, endpoint, error_response, http_error, info_routes, read_json
+from deployer.errors import SitsError
+
+__all__ = ["ReloadRequest", "build_admin"]
+
+
+class ReloadRequest(BaseModel):
+    """Body of POST /admin/reload; empty means "the store's current version"."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: str | None = Field(default=None, min_length=1, max_length=128)
+    reason: Literal["reload", "update", "rollback"] = "reload"
+
+
+class _NoBrowsers:
+    """Refuses what a web page could make a browser send to a local endpoint."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = Headers(scope=scope)
+            error = None
+            if "origin" in headers or headers.get("sec-fetch-site", "none") != "none":
+                error = ApiError(
+                    403, "browser-originated requests are refused here", type_="permission_error"
+                )
+            elif scope["method"] == "POST" and headers.get("content-type", "").split(";")[0].strip() != (
+                "application/json"
+            ):
+                error = ApiError(415, "send the body as Content-Type: application/json", code="invalid_type")
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_admin(server: AgentApp) -> ASGIApp:
+    """The admin app served on the unix socket."""
+
+    async def reload(request: Request) -> Response:
+        data = await read_json(request, server.settings)
+        try:
+            body = ReloadRequest.model_validate(data if data is not None else {})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+            raise ApiError(
+                400, f"invalid reload request: {where}: {first['msg']}", code="invalid_value"
+            ) from exc
+        if body.version is not None:
+            _check_verified(server, body.version)
+        try:
+            result = await asyncio.to_thread(server.reload, None, body.version, reason=body.reason)
+        except SitsError as exc:
+            raise ApiError(409, exc.message, type_="reload_error", code="no_version") from exc
+        return JSONResponse(result.to_dict(), 200 if result.ok else 409)
+
+    app = Starlette(
+        routes=[*info_routes(server), Route("/admin/reload", endpoint(reload), methods=["POST"])],
+        exception_handlers={HTTPException: http_error},
+    )
+    return _NoBrowsers(app)
+
+
+def _check_verified(server: AgentApp, version: str) -> None:
+    """ApiError 409 unless `version` was installed through verification and is not marked failed."""
+    state = server.store.read_state()
+    record = state.versions.get(version)
+    if record is None or not server.store.version_dir(version).is_dir():
+        raise ApiError(
+            409,
+            f"version {version!r} is not a verified version in {server.store.base}",
+            type_="reload_error",
+            code="not_verified",
+        )
+    if record.failed:
+        raise ApiError(
+            409,
+            f"version {version!r} is marked failed in {server.store.base}",
+            type_="reload_error",
+            code="failed_version",
+        )

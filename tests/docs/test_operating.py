@@ -1,0 +1,150 @@
+"""docs/operating.md's command blocks, run as written, in order, on a fleet like the one the doc
+describes: an `init` project whose two local devices are named kiosk-01 (site=hall-a) and
+kiosk-02 (site=hall-b), which has released 1.0.0 and then 1.1.0 (so `.sits/audit.jsonl`, patches
+and rollback targets exist).
+
+`sits-deployer` lines run in the project directory. `sits-agent` lines run "on the device"
+kiosk-01: in its directory with SITS_ROOT set to it (what `--root` sets, as the doc says for a
+device that lives in a directory). A `--follow` line streams until Ctrl-C: it must print a line of
+the log while it runs, then SIGINT ends it with 130. The lock block is about a lock left by a killed
+apply: the test leaves one with the doc's lock id first. Every other line must exit 0. The seeded
+tiny checkpoint stands in for SmolLM2 (SITS_CACHE_DIR), as in tests/quickstart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.quickstart.test_quickstart import tiny_cache
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "operating.md"
+FENCE = re.compile(r"^ *```sh\n(.*?)^ *```", re.M | re.S)  # also the indented blocks of a list
+LOCK_ID = re.compile(r"--force-unlock (\w+)")
+PASSPHRASE = "a long enough passphrase"
+
+
+def doc_lines() -> list[str]:
+    """Every command line of the doc's ```sh blocks, in order (comments stripped)."""
+    lines = []
+    for block in FENCE.finditer(DOC.read_text(encoding="utf-8")):
+        for raw in block.group(1).splitlines():
+            line = raw.split(" #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
+
+
+def _project(tmp_path: Path, env: dict[str, str]) -> Path:
+    """An init project with the doc's device names, after releasing 1.0.0 and then 1.1.0."""
+    project = tmp_path / "fleet"
+
+    def sits(*args: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "deployer", *args], cwd=project, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"{args}: {done.stderr[-3000:]}"
+
+    subprocess.run([sys.executable, "-m", "deployer", "init", str(project)], env=env, check=True)
+    inventory = project / "inventory.yaml"
+    doc = yaml.safe_load(inventory.read_text())
+    names = [("kiosk-01", "hall-a"), ("kiosk-02", "hall-b")]
+    for device, (name, site) in zip(doc["devices"], names, strict=True):
+        device["name"], device["labels"] = name, {"site": site}
+    inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
+    sits("keygen", "-o", "keys/release")
+    deploy = project / "deploy.yaml"
+    for version in ("1.0.0", "1.1.0"):
+        deploy.write_text(re.sub(r"(?m)^  version: .*$", f"  version: {version}", deploy.read_text()))
+        sits("build", "-q")
+        sits("apply", "-q")
+    return project
+
+
+def _leave_a_lock(project: Path, lock_id: str) -> None:
+    """A lock as a killed apply leaves it (its pid is gone)."""
+    lock = {
+        "lock_id": lock_id,
+        "command": "apply",
+        "pid": 2**22 + 1,
+        "host": "ci",
+        "started": "2026-01-01T00:00:00Z",
+    }
+    (project / ".sits" / "lock.json").write_text(json.dumps(lock) + "\n")
+
+
+def _follow(line: str, cwd: Path, env: dict[str, str], log: Path) -> int:
+    """Run a --follow line until it printed a line written while it ran, then Ctrl-C it."""
+    with subprocess.Popen(
+        ["bash", "-c", f"exec {line}"], cwd=cwd, env=env, stdout=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        marker = f"operating.md test {os.getpid()}\n"
+        with log.open("a") as out:
+            out.write(marker)
+        for printed in proc.stdout:
+            if printed == marker:
+                break
+        else:
+            raise AssertionError(f"{line}: ended before it printed the new line")
+        proc.send_signal(signal.SIGINT)
+        return proc.wait(timeout=60)
+
+
+def test_operating_md_blocks_run_as_written(tmp_path: Path) -> None:
+    lines = doc_lines()
+    assert any(line.startswith("sits-agent ") for line in lines) and any(LOCK_ID.search(x) for x in lines)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SITS_")}
+    env |= {
+        "PYTHONPATH": str(ROOT),
+        "PATH": f"{Path(sys.executable).parent}:{env['PATH']}",
+        "SITS_CACHE_DIR": str(tiny_cache(tmp_path / "cache")),
+        "SITS_SIGNING_PASSPHRASE": PASSPHRASE,
+        "COLUMNS": "200",
+        "NO_COLOR": "1",
+    }
+    project = _project(tmp_path, env)
+    device = project / ".sits" / "fleet" / "dev1"  # kiosk-01's directory
+    try:
+        for line in lines:
+            on_device = line.startswith("sits-agent ")
+            cwd, line_env = (device, {**env, "SITS_ROOT": str(device)}) if on_device else (project, env)
+            if found := LOCK_ID.search(line):
+                _leave_a_lock(project, found.group(1))
+            if "--follow" in line:
+                assert _follow(line, cwd, line_env, device / "var" / "log" / "sits-agent.log") == 130, line
+                continue
+            done = subprocess.run(["bash", "-c", line], cwd=cwd, env=line_env, capture_output=True, text=True)
+            assert done.returncode == 0, (
+                f"{line}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+            )
+        status = subprocess.run(
+            ["bash", "-c", "sits-deployer status -f deploy.yaml --output json"],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        # The last block's apply (after --force-unlock) brought every device back to deploy.yaml's 1.1.0.
+        assert {row["device"]: row["version"] for row in json.loads(status.stdout)} == {
+            "kiosk-01": "1.1.0",
+            "kiosk-02": "1.1.0",
+        }
+        assert not (project / ".sits" / "lock.json").exists()
+    finally:
+        subprocess.run(
+            [sys.executable, "-m", "deployer", "down", "-q", "-f", str(project / "deploy.yaml")],
+            env=env,
+            capture_output=True,
+            check=False,
+            timeout=300,
+        )
