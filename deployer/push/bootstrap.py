@@ -50,6 +50,7 @@ from deployer.push.facts import (
     agent_request,
     gather_platform,
 )
+from deployer.push.fallback_files import fallback_files, fallback_settings
 from deployer.push.pull_files import pull_files
 from deployer.push.units import POLL_TIMER
 from deployer.push.wheelhouse import PipTarget, agent_requirements, build_wheelhouse
@@ -98,6 +99,9 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
         "latency_budget_ms": config.health.latency_budget_ms,
         "readiness_timeout_s": config.health.readiness_timeout.total_seconds(),
     }
+    device = next(d for d in config.fleet.devices if d.name == site.name)
+    if (fallback := fallback_settings(config, device, site)) is not None:
+        settings["fallback"] = fallback
     if config.resources.cpu is not None:
         # As many engine threads as whole CPUs in the quota: more threads than the quota allows
         # spin at llama.cpp's barriers while throttled (decode collapses to a few tokens/s).
@@ -133,7 +137,7 @@ def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[st
         for name, text in render_units(params).items():
             files[f"{UNIT_DIR}/{name}"] = text.encode()
     device = next(d for d in config.fleet.devices if d.name == site.name)
-    return files | pull_files(config, device, params)
+    return files | fallback_files(config, device) | pull_files(config, device, params)
 
 
 def write_files(site: DeviceSite, transport: Transport, files: dict[str, bytes]) -> list[str]:

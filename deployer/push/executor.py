@@ -24,8 +24,15 @@ from deployer.config.models import Config
 from deployer.core.hashing import sha256_bytes
 from deployer.errors import AgentError, SitsError
 from deployer.push.agent_control import AgentControl, RemoteAgent
-from deployer.push.bootstrap import desired_files, install_agent, prepare_service_user, store_command
+from deployer.push.bootstrap import (
+    SERVICE_USER,
+    desired_files,
+    install_agent,
+    prepare_service_user,
+    store_command,
+)
 from deployer.push.facts import DeviceSite
+from deployer.push.fallback_files import SECRET_FILES, put_secret
 from deployer.push.hooks import PHASES, HookContext, HookPhase, run_phase_hook
 from deployer.push.plan import (
     GENERATED,
@@ -361,6 +368,8 @@ class Executor:
         with tempfile.TemporaryDirectory(prefix="sits-files-") as tmp:
             local = Path(tmp) / "file"
             local.write_bytes(data)
+            if act.target in SECRET_FILES:
+                return put_secret(site, transport, local, act.target, SERVICE_USER)
             return transport.put(local, site.file(act.target)).bytes_sent
 
     def _call(

@@ -50,6 +50,7 @@ __all__ = [
 AGENT_CONFIG = "/etc/sits/agent.yaml"
 PULL_CONFIG = "/etc/sits/pull.yaml"  # pull mode: what `sits-agent poll` reads (deployer.agent.poll)
 PULL_ROOT = "/etc/sits/pull-root.json"
+FALLBACK_KEY_FILE = "/etc/sits/secrets/fallback-key"  # deployer.push.fallback_files writes it
 KEYS_DIR = "/etc/sits/keys"
 UNIT_DIR = "/etc/systemd/system"
 VENV_PYTHON = "/opt/sits/venv/bin/python"
@@ -116,6 +117,7 @@ class DeviceSite:
         return (
             AGENT_CONFIG,
             API_KEYS_FILE,
+            FALLBACK_KEY_FILE,
             PULL_CONFIG,
             PULL_ROOT,
             *(f"{UNIT_DIR}/{unit}" for unit in units),
