@@ -185,7 +185,7 @@ _HTTP = r"""
 import json, os, sys, time, urllib.request, urllib.error
 port, method, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 data = sys.argv[4].encode() or None
-headers = {"Content-Type": "application/json"}
+headers = {"Content-Type": "application/json", "X-Sits-Fallback": "off"}  # judge the device's own model
 if os.environ.get("SITS_API_KEY"): headers["Authorization"] = "Bearer " + os.environ["SITS_API_KEY"]
 req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data, method=method,
                              headers=headers)

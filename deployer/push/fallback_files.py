@@ -26,7 +26,7 @@ SECRET_FILES = frozenset({FALLBACK_KEY_FILE})
 
 def fallback_settings(config: Config, device: Device, site: DeviceSite) -> dict[str, Any] | None:
     """agent.yaml's `fallback:` for this device, or None when it has no fallback."""
-    fallback = config.fallback_for(device)
+    fallback = _active(config, device)
     if fallback is None or fallback.upstream is None:
         return None
     upstream, triggers = fallback.upstream, fallback.triggers
@@ -46,10 +46,16 @@ def fallback_settings(config: Config, device: Device, site: DeviceSite) -> dict[
 
 
 def fallback_files(config: Config, device: Device) -> dict[str, bytes]:
-    """{FALLBACK_KEY_FILE: the key} when this device's upstream needs one, else {}."""
-    fallback = config.fallback_for(device)
+    """{FALLBACK_KEY_FILE: the key} when this device falls back to an upstream that needs one."""
+    fallback = _active(config, device)
     key = _read_key(config, fallback) if fallback is not None else None
     return {FALLBACK_KEY_FILE: (key + "\n").encode()} if key is not None else {}
+
+
+def _active(config: Config, device: Device) -> Fallback | None:
+    """The device's fallback, unless its policy is off (then the agent has none, nor the key)."""
+    fallback = config.fallback_for(device)
+    return None if fallback is None or fallback.policy == "off" else fallback
 
 
 def _read_key(config: Config, fallback: Fallback) -> str | None:

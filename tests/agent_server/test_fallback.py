@@ -235,6 +235,12 @@ def test_policy_off_and_a_quick_device_answer_locally(start_agent, fallback, mod
         wait_until(metric_is(edge, "sits_edge_status", 1, status="ready"), "the device is ready again")
 
 
+def test_a_request_can_insist_on_the_device(start_agent, fallback, model_name):
+    edge = start_agent(fallback=fallback(policy="always"))
+    headers, reply = _chat(edge, model_name, extra_headers={"x-sits-fallback": "off"})
+    assert headers["x-sits-served-by"] == "edge" and reply.model == f"{model_name}@v1"
+
+
 def test_not_ready_goes_upstream_streamed_and_not(start_agent, fallback, upstream, up_model):
     edge = start_agent(load=False, fallback=fallback())
     assert edge.metrics.value("sits_edge_status", status="offline") == 1

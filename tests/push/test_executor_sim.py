@@ -272,3 +272,22 @@ def test_exit_codes(tmp_path: Path) -> None:
     interrupted = RolloutReport("apply", "rolling", "2.0.0", ok.results, interrupted=True)
     halted = RolloutReport("apply", "rolling", "2.0.0", ok.results, halted="threshold")
     assert (interrupted.exit_code, halted.exit_code) == (130, 1)
+
+
+def test_a_canary_that_falls_back_twice_as_often_as_the_old_version_fails_its_analysis(
+    tmp_path: Path,
+) -> None:
+    strategy = {"type": "canary", "steps": [1, "60%"], "analysis_window": "1m"}
+    sim = SimFleet(tmp_path, 5, strategy=strategy)
+    sim.fallback_rates = {"1.0.0": 0.10, "2.0.0": 0.25}  # the new version leaves more to the upstream
+    report = _run(sim)
+    assert report.halted and "canary analysis" in report.halted
+    assert "fallback rate 25.0% over 100 answers is more than 2x the 10.0%" in (report.results[0].error or "")
+    assert _versions(sim) == dict.fromkeys(sim.devices, "1.0.0")
+
+
+def test_a_canary_falling_back_about_as_often_passes(tmp_path: Path) -> None:
+    strategy = {"type": "canary", "steps": [1, "60%"], "analysis_window": "1m"}
+    sim = SimFleet(tmp_path, 5, strategy=strategy)
+    sim.fallback_rates = {"1.0.0": 0.10, "2.0.0": 0.15}
+    assert _run(sim).ok

@@ -1,7 +1,8 @@
 """The edge-cloud fallback as a TokenSource: per request, the device's own model or the upstream's,
 never both in one answer.
 
-    policy off         every request goes to the device's model
+    policy off         every request goes to the device's model (so does a request sent with
+                       `x-sits-fallback: off`, as the controller's health checks are)
     policy always      every request goes upstream first; the device answers when the upstream cannot
     policy on-trigger  the device answers unless a trigger fires:
       not_ready    no model is loaded (loading, or the load failed), or the source says so (503)
@@ -119,7 +120,7 @@ class FallbackSource:
         """See TokenSource.start: decide who answers, and return once its first token is in hand."""
         began = time.monotonic()
         policy = self.settings.policy
-        if policy == "off":
+        if policy == "off" or not job.fallback:
             return self._edge(await self._local.start(job))
         if policy == "always":
             return await self._upstream_else_local(job, "always", "the policy sends every request upstream")

@@ -60,6 +60,7 @@ class Job:
     plan: Callable[[int, EngineInfo], SamplingParams]
     timeout_s: float
     request: ChatCompletionRequest | CompletionRequest | None = None  # as the client sent it
+    fallback: bool = True  # False: the device's own model answers (`x-sits-fallback: off`)
 
     def prompt_chars(self) -> int:
         """The prompt's length in characters (what a load estimate has before tokenizing)."""

@@ -317,6 +317,7 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
         plan=lambda prompt_len, info: _plan(body, prompt_len, info, settings),
         timeout_s=settings.request_timeout_s,
         request=body,
+        fallback=request.headers.get("x-sits-fallback", "").lower() != "off",
     )
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
