@@ -1,7 +1,8 @@
 """The demo: a local 3-device fleet goes from nothing to v1 (one device, with a deadline no model
 meets, answering through another's agent: the edge-cloud fallback), to a fine-tuned v2 by delta
-patch under canary with live traffic, and back to v1 - through the real `sits-deployer` commands, with the agents
-on the torch engine (int8 safetensors) or the llama.cpp engine (a Q8_0 GGUF, patched as a GGUF).
+patch under canary with live traffic, and back to v1 - through the real `sits-deployer` commands,
+with the agents on the torch engine (int8 safetensors) or the llama.cpp engine (a Q8_0 GGUF,
+patched as a GGUF).
 
 Each step prints the command a user would type and runs it in a subprocess, so the demo exercises
 exactly what the README documents. Everything lives in one work directory, removed at the end
