@@ -17,6 +17,9 @@ a typo must not silently fall back to a default on a device nobody is watching. 
     max_connections: 256     # beyond it the longest-idle connection is closed for a new one
     tls_certfile: /etc/sits/tls/cert.pem   # both or neither: HTTPS
     tls_keyfile: /etc/sits/tls/key.pem
+    fallback:                # an upstream model per request (deployer/agent/fallback/settings.py)
+      base_url: http://10.0.0.5:8080/v1
+      model: smollm2-360m
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from deployer.agent.fallback.settings import FallbackSettings
 from deployer.errors import ConfigError
 
 __all__ = ["AgentSettings", "SmokePrompt", "load_settings"]
@@ -93,6 +97,9 @@ class AgentSettings(BaseModel):
     readiness_timeout_s: float = Field(default=120.0, gt=0, description="load + warm-up + smoke")
     swap_policy: Literal["side-by-side", "unload-first", "auto"] = "auto"
     drain_timeout_s: float = Field(default=60.0, gt=0, description="unload-first: wait for in-flight")
+    fallback: FallbackSettings | None = Field(
+        default=None, description="an upstream model to answer when this one cannot (docs/fallback.md)"
+    )
 
     @model_validator(mode="after")
     def _prompt_fits_context(self) -> AgentSettings:

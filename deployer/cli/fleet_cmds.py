@@ -382,7 +382,8 @@ def rollback(
 def status(
     config_path: Path, selector: tuple[str, ...], names: tuple[str, ...], parallel: int, output: str
 ) -> None:
-    """Device, version, health and last result of each device (a table on stdout). No passphrase."""
+    """Device, version, health, edge status, fallbacks in the last 5 minutes and last result of each
+    device (a table on stdout). No passphrase."""
     from deployer.push.fleet import fleet_status
 
     fleet = _fleet(config_path, selector, names, parallel)
@@ -394,12 +395,11 @@ def status(
         emit_json(rows)
         return
     table = Table()
-    for column in ("device", "version", "health", "agent", "last_result", "error"):
+    columns = ("device", "version", "health", "edge_status", "fallbacks_5m", "agent", "last_result", "error")
+    for column in columns:
         table.add_column(column.replace("_", " "))
     for row in rows:
-        table.add_row(
-            *(str(row[c] or "-") for c in ("device", "version", "health", "agent", "last_result", "error"))
-        )
+        table.add_row(*("-" if row[c] is None or row[c] == "" else str(row[c]) for c in columns))
     stdout().print(table)
 
 

@@ -22,6 +22,7 @@ from deployer.config.keyfiles import KeyProblem, private_key_problem, public_key
 from deployer.config.models import (
     AgentSettings,
     Device,
+    Fallback,
     Hooks,
     ModelSpec,
     Profile,
@@ -29,6 +30,7 @@ from deployer.config.models import (
     Resources,
     Signing,
     Strategy,
+    merge_fallbacks,
 )
 from deployer.config.sourcemap import SourceMap
 
@@ -55,6 +57,7 @@ class CheckInput:
     hooks: Hooks | None = None
     agent: AgentSettings | None = None
     secrets: bool = True  # False for commands that sign nothing: an encrypted key is not opened
+    fallback: Fallback | None = None
 
     @property
     def fleet(self) -> list[Device] | None:
@@ -77,7 +80,7 @@ def run_checks(given: CheckInput) -> list[Finding]:
         given.profiles, given.resources, given.positions
     )
     shape, model_findings = _model_findings(given)
-    findings += model_findings + _engine_findings(given)
+    findings += model_findings + _engine_findings(given) + _fallback_findings(given)
     if given.fleet is not None and given.profiles is not None:
         used = {d.profile for d in given.fleet if d.profile}
         findings += fit.quota_findings(given.resources, given.profiles, used, given.positions)
@@ -261,6 +264,60 @@ def _int4_group_sizes(quant: Quantization) -> list[tuple[tuple, int]]:
         for i, o in enumerate(quant.overrides)
         if o.scheme == "int4"
     ]
+
+
+def _fallback_layers(given: CheckInput) -> list[tuple[FieldPath, Fallback]]:
+    """Each `fallback:` written in the config, with where: the fleet's, profiles', devices'."""
+    layers: list[tuple[FieldPath, Fallback]] = []
+    if given.fallback is not None:
+        layers.append((("fallback",), given.fallback))
+    for name, profile in (given.profiles or {}).items():
+        if profile.fallback is not None:
+            layers.append((("profiles", name, "fallback"), profile.fallback))
+    for index, device in enumerate(given.devices or []):
+        if device is not None and device.fallback is not None:
+            layers.append((("fleet", "devices", index, "fallback"), device.fallback))
+    return layers
+
+
+def _fallback_findings(given: CheckInput) -> list[Finding]:
+    """Every device whose fallback is on has an upstream; every upstream key source is there."""
+    findings = []
+    for at, layer in _fallback_layers(given):
+        key = layer.upstream.api_key if layer.upstream else None
+        if key is not None and key.env is not None and not given.environ.get(key.env):
+            findings.append(
+                given.positions.finding(
+                    (*at, "upstream", "api_key", "env"),
+                    f"${key.env} is not set (the fallback upstream's API key)",
+                    f"export {key.env}=<key> where sits-deployer runs",
+                )
+            )
+        if key is not None and key.file is not None and not given.resolve(key.file).is_file():
+            findings.append(_missing_file(given, (*at, "upstream", "api_key", "file"), key.file))
+    fleet, profiles = given.fleet, given.profiles
+    if fleet is None or profiles is None or given.devices is None:
+        return findings
+    for index, device in enumerate(fleet):
+        profile = profiles.get(device.profile) if device.profile else None
+        effective = merge_fallbacks(given.fallback, profile.fallback if profile else None, device.fallback)
+        if effective is None or effective.policy == "off" or effective.upstream is not None:
+            continue
+        where: FieldPath = ("fallback",)
+        if device.fallback is not None:
+            where = ("fleet", "devices", index, "fallback")
+        elif profile is not None and profile.fallback is not None:
+            where = ("profiles", device.profile or "", "fallback")
+        findings.append(
+            given.positions.finding(
+                where,
+                f"device '{device.name}' falls back ({effective.policy}) but no upstream is set",
+                "set fallback.upstream (base_url, model) for the fleet, its profile or the device, "
+                "or policy: off",
+                key=True,
+            )
+        )
+    return findings
 
 
 def _signing_findings(given: CheckInput) -> list[Finding]:

@@ -336,6 +336,91 @@ class Publish(_Model):
         )
 
 
+class UpstreamKey(_Model):
+    """Where the controller finds the fallback upstream's API key: never in deploy.yaml itself.
+
+    `env` names an environment variable, `file` a secrets file whose first line is the key (relative
+    to deploy.yaml). The controller sends it to each device as a 0600 file only the agent reads.
+    """
+
+    env: EnvName | None = None
+    file: FilePath | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> UpstreamKey:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env (a variable name) or file (a secrets file)")
+        return self
+
+
+class Upstream(_Model):
+    """The OpenAI-compatible model a device falls back to: a bigger model, or another device's agent."""
+
+    base_url: Annotated[str, Field(pattern=r"^https?://[^\s]+$", examples=["http://10.0.0.5:8080/v1"])]
+    model: Annotated[str, Field(min_length=1)]
+    api_key: UpstreamKey | None = None
+    first_token_timeout: Duration = Field(default="10s", validate_default=True)
+
+
+class FallbackTriggers(_Model):
+    """When a device under ``policy: on-trigger`` asks the upstream instead of its own model.
+
+    ``min_confidence`` (the mean probability of the first ``confidence_tokens`` tokens) needs token
+    probabilities, which the agent's engines do not report yet: it is refused until they do.
+    """
+
+    deadline_ms: Annotated[int, Field(ge=1)] | None = 300
+    min_confidence: Annotated[float, Field(ge=0, le=1)] | None = None
+    confidence_tokens: Annotated[int, Field(ge=1, le=64)] = 4
+    not_ready: bool = True
+    overloaded: bool = True
+
+    @field_validator("min_confidence")
+    @classmethod
+    def _needs_logprobs(cls, value: float | None) -> float | None:
+        if value is not None:
+            raise ValueError(
+                "min_confidence needs the probability of each generated token (logprobs), which the "
+                "agent's engines do not report yet; remove it (deadline_ms, not_ready and overloaded "
+                "work without it)"
+            )
+        return value
+
+
+class Fallback(_Model):
+    """Edge-cloud fallback (docs/fallback.md): per request, the device's model or the upstream's.
+
+    Set fleet-wide at the top level; a profile's or a device's ``fallback`` overrides the fields it
+    sets (``policy: off`` turns it off there).
+    """
+
+    policy: Literal["off", "on-trigger", "always"] = "on-trigger"
+    upstream: Upstream | None = None
+    triggers: FallbackTriggers = FallbackTriggers()
+
+
+def merge_fallbacks(*layers: Fallback | None) -> Fallback | None:
+    """Later layers' explicitly set fields over earlier ones' (dicts merged key by key)."""
+
+    def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = (
+                merge(out[key], value)
+                if isinstance(value, dict) and isinstance(out.get(key), dict)
+                else value
+            )
+        return out
+
+    given = [layer for layer in layers if layer is not None]
+    if not given:
+        return None
+    data: dict[str, Any] = {}
+    for layer in given:
+        data = merge(data, layer.model_dump(mode="json", exclude_unset=True))
+    return Fallback.model_validate(data)
+
+
 class Device(_Model):
     """One edge device and how to reach it."""
 
@@ -352,6 +437,7 @@ class Device(_Model):
     root: FilePath = "/"
     python: Annotated[str, Field(min_length=1)] = "python3"
     agent_port: Port | None = None  # the agent's HTTP port on this device (default: agent.port)
+    fallback: Fallback | None = None  # overrides the profile's and the fleet's
 
 
 class Fleet(_Model):
@@ -391,6 +477,7 @@ class Profile(_Model):
             "device's configured `python`) and the wheelhouse leaves torch out."
         ),
     ] = "wheelhouse"
+    fallback: Fallback | None = None  # overrides the fleet's for this profile's devices
 
 
 class Strategy(_Model):
@@ -518,6 +605,7 @@ class Config(_Model):
     hooks: Hooks = Hooks()
     agent: AgentSettings = AgentSettings()
     publish: Publish | None = None
+    fallback: Fallback | None = None
 
     _path: Path | None = PrivateAttr(default=None)
 
@@ -532,3 +620,8 @@ class Config(_Model):
         """A path from this config (``~`` expanded) resolved against `base_dir`."""
         path = Path(relative).expanduser()
         return path if path.is_absolute() else self.base_dir / path
+
+    def fallback_for(self, device: Device) -> Fallback | None:
+        """The device's fallback: the fleet's, then its profile's and its own fields over it."""
+        profile = self.profiles.get(device.profile) if device.profile else None
+        return merge_fallbacks(self.fallback, profile.fallback if profile else None, device.fallback)

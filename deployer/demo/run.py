@@ -1,6 +1,8 @@
-"""The demo: a local 3-device fleet goes from nothing to v1, to a fine-tuned v2 by delta patch under
-canary with live traffic, and back to v1 - through the real `sits-deployer` commands, with the agents
-on the torch engine (int8 safetensors) or the llama.cpp engine (a Q8_0 GGUF, patched as a GGUF).
+"""The demo: a local 3-device fleet goes from nothing to v1 (one device, with a deadline no model
+meets, answering through another's agent: the edge-cloud fallback), to a fine-tuned v2 by delta
+patch under canary with live traffic, and back to v1 - through the real `sits-deployer` commands,
+with the agents on the torch engine (int8 safetensors) or the llama.cpp engine (a Q8_0 GGUF,
+patched as a GGUF).
 
 Each step prints the command a user would type and runs it in a subprocess, so the demo exercises
 exactly what the README documents. Everything lives in one work directory, removed at the end
@@ -36,6 +38,7 @@ _T = TypeVar("_T")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "deploy.yaml"
 PROBES = ("What is SITS-Deployer?", "What is the capital of France?")
 PASSPHRASE_ENV = "SITS_SIGNING_PASSPHRASE"
+FALLBACK_DEVICE = "dev3"  # the demo device that falls back to dev1's agent
 # What `build` makes of the example's int8 for each agent engine.
 ARTIFACTS = {"torch": "int8 safetensors", "llama.cpp": "int8 as a Q8_0 GGUF"}
 
@@ -111,6 +114,7 @@ def _story(project: DemoProject, options: DemoOptions) -> None:
     )
     _cli(project, "Plan the rollout (nothing is changed)", ["plan", "-f", "deploy.yaml"])
     _cli(project, "Apply v1 to the fleet", ["apply", "-f", "deploy.yaml"])
+    _step(f"Edge-cloud fallback: {FALLBACK_DEVICE} has a 1 ms deadline", lambda: _show_fallback(project))
     _ask_fleet(project, "v1 answers")
 
     from deployer.build.demo_model import prepare_smollm2
@@ -175,6 +179,17 @@ def make_project(base: Path, *, engine: str = "torch") -> DemoProject:
         reservations[device["name"]] = reservation = PortReservation()
         device["agent_port"] = reservation.port
         (base / device["root"]).mkdir(parents=True, exist_ok=True)
+    # One device falls back to another's agent: its deadline is too short for any first token.
+    upstream = doc["fleet"]["devices"][0]["name"]
+    doc["fallback"] = {
+        "policy": "off",
+        "upstream": {
+            "base_url": f"http://127.0.0.1:{reservations[upstream].port}/v1",
+            "model": doc["model"]["name"],
+        },
+    }
+    edge = next(d for d in doc["fleet"]["devices"] if d["name"] == FALLBACK_DEVICE)
+    edge["fallback"] = {"policy": "on-trigger", "triggers": {"deadline_ms": 1}}
     (base / "deploy.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     return DemoProject(base, reservations, env)
 
@@ -196,6 +211,17 @@ def _apply_under_traffic(project: DemoProject) -> TrafficReport:
             ["apply", "-f", "deploy.yaml"],
         )
     return traffic.report
+
+
+def _show_fallback(project: DemoProject) -> None:
+    from deployer.demo.traffic import ask_who
+
+    answer, by, reason, model = ask_who(project.ports[FALLBACK_DEVICE], PROBES[1])
+    console().print(
+        f"{FALLBACK_DEVICE} answered {answer!r}: served by [bold]{by}[/bold] ({model}), "
+        f"fallback reason: {reason or '-'}"
+    )
+    _cli(project, "Fleet status: edge status and fallbacks per device", ["status", "-f", "deploy.yaml"])
 
 
 def _ask_fleet(project: DemoProject, title: str) -> None:

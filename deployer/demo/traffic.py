@@ -52,6 +52,27 @@ def ask(target: Target, question: str, *, max_tokens: int = 32) -> tuple[str, st
     return (reply.choices[0].message.content or "").strip(), reply.model.rpartition("@")[2]
 
 
+def ask_who(target: Target, question: str, *, max_tokens: int = 32) -> tuple[str, str, str | None, str]:
+    """One greedy chat completion: (answer, who answered: edge or upstream, why the upstream did,
+    the model that answered), from the agent's x-sits-served-by and x-sits-fallback-reason."""
+    api = client(target)
+    name = api.models.list().data[0].id.partition("@")[0]
+    raw = api.chat.completions.with_raw_response.create(
+        model=name,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    reply = raw.parse()
+    text = (reply.choices[0].message.content or "").strip()
+    return (
+        text,
+        raw.headers.get("x-sits-served-by", "edge"),
+        raw.headers.get("x-sits-fallback-reason"),
+        reply.model,
+    )
+
+
 def serving(port: int) -> str:
     """The engine and quantization of the model the agent on `port` serves, e.g. 'llama.cpp Q8_0'."""
     for model in client(port).models.list().data:

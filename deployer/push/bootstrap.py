@@ -51,6 +51,7 @@ from deployer.push.facts import (
     agent_request,
     gather_platform,
 )
+from deployer.push.fallback_files import fallback_files, fallback_settings
 from deployer.push.pull_files import pull_files
 from deployer.push.units import POLL_TIMER
 from deployer.push.wheelhouse import PipTarget, agent_requirements, build_wheelhouse
@@ -105,6 +106,9 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
     socket = short_admin_socket(site)
     if socket is not None:
         settings["admin_socket"] = socket
+    device = next(d for d in config.fleet.devices if d.name == site.name)
+    if (fallback := fallback_settings(config, device, site)) is not None:
+        settings["fallback"] = fallback
     if config.resources.cpu is not None:
         # As many engine threads as whole CPUs in the quota: more threads than the quota allows
         # spin at llama.cpp's barriers while throttled (decode collapses to a few tokens/s).
@@ -150,7 +154,7 @@ def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[st
         for name, text in render_units(params).items():
             files[f"{UNIT_DIR}/{name}"] = text.encode()
     device = next(d for d in config.fleet.devices if d.name == site.name)
-    return files | pull_files(config, device, params)
+    return files | fallback_files(config, device) | pull_files(config, device, params)
 
 
 def write_files(site: DeviceSite, transport: Transport, files: dict[str, bytes]) -> list[str]:

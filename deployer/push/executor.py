@@ -24,8 +24,15 @@ from deployer.config.models import Config
 from deployer.core.hashing import sha256_bytes
 from deployer.errors import AgentError, SitsError
 from deployer.push.agent_control import AgentControl, RemoteAgent
-from deployer.push.bootstrap import desired_files, install_agent, prepare_service_user, store_command
+from deployer.push.bootstrap import (
+    SERVICE_USER,
+    desired_files,
+    install_agent,
+    prepare_service_user,
+    store_command,
+)
 from deployer.push.facts import DeviceSite
+from deployer.push.fallback_files import SECRET_FILES, put_secret
 from deployer.push.hooks import PHASES, HookContext, HookPhase, HookResult, run_phase_hook
 from deployer.push.plan import (
     GENERATED,
@@ -40,6 +47,7 @@ from deployer.push.plan import (
     StepKind,
 )
 from deployer.push.rollout import (
+    MetricsSnapshot,
     Wave,
     WaveKind,
     judge,
@@ -368,6 +376,8 @@ class Executor:
         with tempfile.TemporaryDirectory(prefix="sits-files-") as tmp:
             local = Path(tmp) / "file"
             local.write_bytes(data)
+            if act.target in SECRET_FILES:
+                return put_secret(site, transport, local, act.target, SERVICE_USER)
             return transport.put(local, site.file(act.target)).bytes_sent
 
     def _call(
@@ -466,8 +476,13 @@ class Executor:
         names = [
             n for n in wave.devices if n in run.results and run.results[n].status == ResultStatus.UPDATED
         ]
-        before = {n: self.agent.scrape(self.sites[n], self.connect(self.sites[n])) for n in names}
+        # The devices not yet updated are the baseline of the fallback rate, in the same window.
+        baseline = [n for n in plans if n not in run.results]
+        before = {n: self.agent.scrape(self.sites[n], self.connect(self.sites[n])) for n in names + baseline}
         self.sleep(wave.analysis_s)
+        baseline_rate = _pooled_fallback_rate(
+            [(before[n], self.agent.scrape(self.sites[n], self.connect(self.sites[n]))) for n in baseline]
+        )
         for name in names:
             site = self.sites[name]
             transport = self.connect(site)
@@ -475,6 +490,7 @@ class Executor:
             reason = judge(
                 self.agent.sample(site, transport, before[name]),
                 latency_budget_ms=self.config.health.latency_budget_ms,
+                baseline_fallback_rate=baseline_rate,
             )
             if reason is not None:
                 failure = _DeviceFailed(AgentError(f"{name}: analysis failed: {reason}"), "analysis", True)
@@ -512,6 +528,14 @@ class Executor:
         sent: int = 0,
     ) -> DeviceResult:
         return DeviceResult(dp.device, status, dp.from_version, dp.to_version, version, phase, error, sent)
+
+
+def _pooled_fallback_rate(windows: list[tuple[MetricsSnapshot, MetricsSnapshot]]) -> float | None:
+    """The share of answers the fallback upstream gave over these (before, after) scrapes together;
+    None when they answered nothing."""
+    answers = sum(after.answers - before.answers for before, after in windows)
+    fallbacks = sum(after.fallbacks - before.fallbacks for before, after in windows)
+    return fallbacks / answers if answers > 0 else None
 
 
 def _need(release: ReleaseFiles | None, site: DeviceSite) -> ReleaseFiles:

@@ -51,6 +51,7 @@ __all__ = [
 AGENT_CONFIG = "/etc/sits/agent.yaml"
 PULL_CONFIG = "/etc/sits/pull.yaml"  # pull mode: what `sits-agent poll` reads (deployer.agent.poll)
 PULL_ROOT = "/etc/sits/pull-root.json"
+FALLBACK_KEY_FILE = "/etc/sits/secrets/fallback-key"  # deployer.push.fallback_files writes it
 KEYS_DIR = "/etc/sits/keys"
 UNIT_DIR = "/etc/systemd/system"
 VENV_PYTHON = "/opt/sits/venv/bin/python"
@@ -117,6 +118,7 @@ class DeviceSite:
         return (
             AGENT_CONFIG,
             API_KEYS_FILE,
+            FALLBACK_KEY_FILE,
             PULL_CONFIG,
             PULL_ROOT,
             *(f"{UNIT_DIR}/{unit}" for unit in units),
@@ -189,7 +191,7 @@ _HTTP = r"""
 import json, os, sys, time, urllib.request, urllib.error
 port, method, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 data = sys.argv[4].encode() or None
-headers = {"Content-Type": "application/json"}
+headers = {"Content-Type": "application/json", "X-Sits-Fallback": "off"}  # judge the device's own model
 if os.environ.get("SITS_API_KEY"): headers["Authorization"] = "Bearer " + os.environ["SITS_API_KEY"]
 req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data, method=method,
                              headers=headers)

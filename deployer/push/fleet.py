@@ -27,6 +27,7 @@ from deployer.errors import ConfigError, KeyFileError, SignatureError, SitsError
 from deployer.push.bootstrap import build_wheel, desired_files
 from deployer.push.executor import Executor, OnPhase, ResultStatus, RolloutReport
 from deployer.push.facts import DeviceSite, controller_agent_version, gather_fleet
+from deployer.push.health import scrape_metrics
 from deployer.push.operations import DeviceRecipe
 from deployer.push.plan import (
     SEND_STEPS,
@@ -40,7 +41,7 @@ from deployer.push.plan import (
 from deployer.push.rollout import OfflineDecision, decide_offline
 from deployer.push.state import FleetLock, append_audit, read_audit
 from deployer.release.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store
-from deployer.transport import LocalTransport, Transport
+from deployer.transport import LocalTransport, Transport, run_bounded
 
 __all__ = [
     "FleetPlan",
@@ -460,16 +461,27 @@ def check_plan_file(saved: Mapping[str, Any], fresh: FleetPlan) -> None:
 
 
 def fleet_status(fleet: FleetSession) -> list[dict[str, Any]]:
-    """Per device: version, health, and its result in the last apply or rollback that touched it."""
+    """Per device: version, health, edge status and fallbacks over the last 5 minutes (from its
+    agent's /metrics; None where the agent has no fallback), and its result in the last apply or
+    rollback that touched it."""
     last: dict[str, dict[str, Any]] = {}
     for record in read_audit(fleet.sits_dir):
         for result in record.get("results", []):
             if result.get("status") not in {"unchanged", "not-started"}:
                 last[result["device"]] = {"action": record.get("action"), "at": record.get("at"), **result}
+    facts = fleet.facts()
+    # Each agent's own view: its edge status and the fallbacks of the last 5 minutes (/metrics).
+    scraped = run_bounded(
+        [f.name for f in facts if f.reachable],
+        lambda name: scrape_metrics(fleet.sites[name], fleet.transport(fleet.sites[name])),
+        parallel=fleet.parallel,
+    )
+    metrics = {o.item: o.result for o in scraped if o.result is not None}
     rows = []
-    for f in fleet.facts():
+    for f in facts:
         health = "offline" if not f.reachable else ("ready" if f.ready else "not ready")
         result = last.get(f.name)
+        seen = metrics.get(f.name)
         rows.append(
             {
                 "device": f.name,
@@ -477,6 +489,8 @@ def fleet_status(fleet: FleetSession) -> list[dict[str, Any]]:
                 "health": health,
                 "agent": f.agent_version,
                 "release_counter": f.release_counter,
+                "edge_status": seen.edge_status if seen else ("offline" if not f.reachable else None),
+                "fallbacks_5m": None if seen is None or seen.fallbacks_5m is None else int(seen.fallbacks_5m),
                 "last_result": f"{result['action']} {result['status']} ({result['at']})" if result else None,
                 "error": f.error or (result or {}).get("error"),
             }

@@ -110,20 +110,30 @@ def scrape_metrics(site: DeviceSite, transport: Transport) -> MetricsSnapshot:
 
 
 def parse_metrics(text: str) -> MetricsSnapshot:
-    """`sits_requests_total{endpoint,status}` from the agent's /metrics, through prometheus_client's
-    parser: all requests, and those answered 5xx. Text that does not parse counts as no data."""
-    requests = errors = 0.0
+    """The agent's /metrics, through prometheus_client's parser: all requests and those answered 5xx
+    (`sits_requests_total{endpoint,status}`), and the fallback's answers, recent fallbacks and edge
+    status (`sits_answers_total{served_by}`, `sits_fallbacks_last_5m`, `sits_edge_status{status}`).
+    Text that does not parse counts as no data."""
+    requests = errors = answers = fallbacks = 0.0
+    recent: float | None = None
+    edge: str | None = None
     try:
         for family in text_string_to_metric_families(text):
             for sample_ in family.samples:
-                if sample_.name != "sits_requests_total":
-                    continue
-                requests += sample_.value
-                if sample_.labels.get("status", "").startswith("5"):
-                    errors += sample_.value
+                name, labels, value = sample_.name, sample_.labels, sample_.value
+                if name == "sits_requests_total":
+                    requests += value
+                    errors += value if labels.get("status", "").startswith("5") else 0.0
+                elif name == "sits_answers_total":
+                    answers += value
+                    fallbacks += value if labels.get("served_by") == "upstream" else 0.0
+                elif name == "sits_fallbacks_last_5m":
+                    recent = value
+                elif name == "sits_edge_status" and value == 1:
+                    edge = labels.get("status")
     except ValueError:
         return MetricsSnapshot()
-    return MetricsSnapshot(requests, errors)
+    return MetricsSnapshot(requests, errors, answers, fallbacks, recent, edge)
 
 
 def sample(health: Health, site: DeviceSite, transport: Transport, before: MetricsSnapshot) -> Sample:

@@ -23,6 +23,7 @@ from deployer.config.models import Strategy
 
 __all__ = [
     "MAX_ERROR_RATE",
+    "MAX_FALLBACK_RATIO",
     "MetricsSnapshot",
     "OfflineDecision",
     "Sample",
@@ -36,6 +37,11 @@ __all__ = [
 
 # Share of requests answered with a 5xx during an analysis window above which a device fails it.
 MAX_ERROR_RATE = 0.05
+# A canary device fails when it falls back to the upstream more than this many times as often as the
+# devices still on the old version did in the same window, and by at least MIN_FALLBACK_EXCESS (so
+# that one fallback against none is not "infinitely more").
+MAX_FALLBACK_RATIO = 2.0
+MIN_FALLBACK_EXCESS = 0.05
 
 
 class WaveKind(enum.StrEnum):
@@ -119,10 +125,19 @@ def should_halt(failed: int, limit: int) -> bool:
 
 @dataclass(frozen=True)
 class MetricsSnapshot:
-    """The counters of one /metrics scrape the analysis needs."""
+    """The counters of one /metrics scrape the analysis (and `status`) need."""
 
     requests: float = 0.0
     errors: float = 0.0  # requests answered with a 5xx status
+    answers: float = 0.0  # generation requests answered by the device or its fallback upstream
+    fallbacks: float = 0.0  # of those, answered by the upstream
+    fallbacks_5m: float | None = None  # the upstream's answers over the last 5 minutes
+    edge_status: str | None = None  # ready | busy | offline, as the agent sees itself
+
+    def fallback_rate(self, before: MetricsSnapshot) -> tuple[float, float] | None:
+        """(share of answers the upstream gave since `before`, answers) or None without answers."""
+        answers = self.answers - before.answers
+        return ((self.fallbacks - before.fallbacks) / answers, answers) if answers > 0 else None
 
 
 @dataclass(frozen=True)
@@ -137,8 +152,16 @@ class Sample:
     after: MetricsSnapshot
 
 
-def judge(sample: Sample, *, latency_budget_ms: float, max_error_rate: float = MAX_ERROR_RATE) -> str | None:
-    """Why the device failed its analysis, or None when it passed."""
+def judge(
+    sample: Sample,
+    *,
+    latency_budget_ms: float,
+    max_error_rate: float = MAX_ERROR_RATE,
+    baseline_fallback_rate: float | None = None,
+) -> str | None:
+    """Why the device failed its analysis, or None when it passed. `baseline_fallback_rate` is the
+    share of answers the fallback upstream gave on the devices not yet updated, in the same window
+    (None when they answered nothing)."""
     if not sample.ready:
         return "not ready at the end of the analysis window"
     if sample.smoke_ms is None:
@@ -149,4 +172,14 @@ def judge(sample: Sample, *, latency_budget_ms: float, max_error_rate: float = M
     failed = sample.after.errors - sample.before.errors
     if served > 0 and failed / served > max_error_rate:
         return f"error rate {failed / served:.1%} over {served:.0f} requests exceeds {max_error_rate:.0%}"
+    rate = sample.after.fallback_rate(sample.before)
+    if rate is not None and baseline_fallback_rate is not None:
+        share, answers = rate
+        excess = share - baseline_fallback_rate
+        if share > MAX_FALLBACK_RATIO * baseline_fallback_rate and excess >= MIN_FALLBACK_EXCESS:
+            return (
+                f"fallback rate {share:.1%} over {answers:.0f} answers is more than "
+                f"{MAX_FALLBACK_RATIO:g}x the {baseline_fallback_rate:.1%} of the devices still on the "
+                "old version"
+            )
     return None

@@ -48,6 +48,11 @@ def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path, engine: str) -> None
     assert float(sizes[1]) < float(sizes[2]) / 2
     # Every device answered v2 through the engine asked for.
     assert len(re.findall(rf"│ dev\d\s+│ 1\.1\.0\s+│ {re.escape(engine)} ", out)) == 6, out[-4000:]
+    # The device with the 1 ms deadline answered through dev1's agent, and status counted it.
+    assert re.search(
+        r"dev3 answered .*: served by upstream \(smollm2-135m-instruct@1\.0\.0\), fallback reason: deadline",
+        out,
+    ), out[-4000:]
     assert "Demo finished" in out
     # The passphrase the demo generated never reaches the output.
     assert "SITS_SIGNING_PASSPHRASE=" not in out

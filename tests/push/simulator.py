@@ -75,6 +75,12 @@ class SimDevice:
     kept: dict[str, str] = field(default_factory=dict)  # the versions on its disk: sha256 -> version
     requests: float = 0.0
     errors: float = 0.0
+    answers: float = 0.0  # generation requests, and those its fallback upstream answered
+    fallbacks: float = 0.0
+
+    def metrics(self) -> MetricsSnapshot:
+        """What its /metrics would say now."""
+        return MetricsSnapshot(self.requests, self.errors, self.answers, self.fallbacks)
 
     def facts(self, unit_hashes: dict[str, str]) -> DeviceFacts:
         """What the facts probe would report."""
@@ -246,8 +252,7 @@ class SimAgent:
 
     def scrape(self, site: DeviceSite, transport: Transport) -> MetricsSnapshot:
         """See AgentControl."""
-        device = self._device(site)
-        return MetricsSnapshot(device.requests, device.errors)
+        return self._device(site).metrics()
 
     def sample(self, site: DeviceSite, transport: Transport, before: MetricsSnapshot) -> Sample:
         """See AgentControl: 100 requests served in the window, `error_rate` of them 5xx."""
@@ -255,7 +260,7 @@ class SimAgent:
         device.requests += 100
         device.errors += 100 * device.script.error_rate
         self.fleet.log(site.name, "analysed", "")
-        after = MetricsSnapshot(device.requests, device.errors)
+        after = device.metrics()
         return Sample(site.name, device.serving is not None, device.script.smoke_ms, before, after)
 
 
@@ -289,6 +294,7 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.waits.append(seconds)
         self.fleet.log("-", "sleep", f"{seconds:g}")
+        self.fleet.traffic()
         if self.interrupt_at is not None and len(self.waits) == self.interrupt_at:
             raise KeyboardInterrupt
 
@@ -301,6 +307,8 @@ class SimFleet:
     ) -> None:
         self.tmp = tmp
         self.lock = threading.Lock()
+        # Per model version, the share of answers its devices leave to the fallback upstream.
+        self.fallback_rates: dict[str, float] = {}
         self.events: list[tuple[str, str, str]] = []
         names = [f"dev{i}" for i in range(1, size + 1)]
         self.config = Config.model_validate(
@@ -365,6 +373,15 @@ class SimFleet:
 
     def _connect(self, config: Config, device: Any, site: DeviceSite) -> Transport:
         return self.transports[device.name]
+
+    def traffic(self) -> None:
+        """Clients' requests while the executor waits: 100 answers on every serving device, the
+        share `fallback_rates` gives its version answered by the upstream."""
+        with self.lock:
+            for device in self.devices.values():
+                if device.serving is not None:
+                    device.answers += 100
+                    device.fallbacks += 100 * self.fallback_rates.get(device.serving, 0.0)
 
     def log(self, device: str, event: str, detail: str) -> None:
         """Append one event to the ordered log (called from the executor's worker threads)."""

@@ -346,3 +346,22 @@ def test_a_hooks_output_reaches_the_progress_callback(tmp_path: Path) -> None:
         ("dev1", "phase:post-deploy output", "post-deploy: checked dev1\n"),
         ("dev2", "phase:post-deploy output", "post-deploy: checked dev2\n"),
     ]
+
+
+def test_a_canary_that_falls_back_twice_as_often_as_the_old_version_fails_its_analysis(
+    tmp_path: Path,
+) -> None:
+    strategy = {"type": "canary", "steps": [1, "60%"], "analysis_window": "1m"}
+    sim = SimFleet(tmp_path, 5, strategy=strategy)
+    sim.fallback_rates = {"1.0.0": 0.10, "2.0.0": 0.25}  # the new version leaves more to the upstream
+    report = _run(sim)
+    assert report.halted and "canary analysis" in report.halted
+    assert "fallback rate 25.0% over 100 answers is more than 2x the 10.0%" in (report.results[0].error or "")
+    assert _versions(sim) == dict.fromkeys(sim.devices, "1.0.0")
+
+
+def test_a_canary_falling_back_about_as_often_passes(tmp_path: Path) -> None:
+    strategy = {"type": "canary", "steps": [1, "60%"], "analysis_window": "1m"}
+    sim = SimFleet(tmp_path, 5, strategy=strategy)
+    sim.fallback_rates = {"1.0.0": 0.10, "2.0.0": 0.15}
+    assert _run(sim).ok

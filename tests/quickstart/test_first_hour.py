@@ -200,7 +200,7 @@ def test_an_ssh_failure_prints_no_traceback(project):
         server.close()
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
-    (row,) = [line.split() for line in done.stdout.splitlines() if " edge " in line]
+    (row,) = [cells for cells in map(str.split, done.stdout.splitlines()) if cells[1:2] == ["edge"]]
     assert row[1] == "edge" and "offline" in row
 
 

@@ -8,6 +8,10 @@ a client that reads slowly only fills its own queue, the worker then waits, and 
 gone or stalled the route cancels the generation; the worker sees that at its next token and
 closes the engine stream, which frees the engine. A scheduler that owns the engine replaces this
 class with one implementing the same `start`.
+
+`LoadReport` is what a local source tells the edge-cloud fallback (deployer/agent/fallback) before
+a job starts: whether it can serve at all, and when the job's first token would come. The fallback
+wraps the local source in a TokenSource of its own; `Started.served_by` says who answered.
 """
 
 from __future__ import annotations
@@ -16,18 +20,31 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from deployer.agent.engines.base import ChatMessage, Engine, EngineInfo, SamplingParams, TokenEvent
 from deployer.agent.hotswap import ModelManager, Unavailable
 from deployer.agent.http.admission import Admission, Overloaded, QueueTimeout
-from deployer.agent.http.openai_schemas import ApiError
+from deployer.agent.http.openai_schemas import ApiError, ChatCompletionRequest, CompletionRequest
+from deployer.agent.http.timing import ServiceTimes
 from deployer.agent.notify import lifecycle_event
 from deployer.errors import SitsError
 
-__all__ = ["Cancelled", "Generation", "Job", "SlotTokenSource", "Started", "TokenSource"]
+__all__ = [
+    "Cancelled",
+    "EdgeStatus",
+    "Generation",
+    "Job",
+    "LoadReport",
+    "Metered",
+    "ServedBy",
+    "SlotTokenSource",
+    "Started",
+    "TokenSource",
+]
 
 QUEUE_EVENTS = 64  # token events buffered per request between the engine and the client
 
@@ -42,6 +59,28 @@ class Job:
     text: str | None
     plan: Callable[[int, EngineInfo], SamplingParams]
     timeout_s: float
+    request: ChatCompletionRequest | CompletionRequest | None = None  # as the client sent it
+    fallback: bool = True  # False: the device's own model answers (`x-sits-fallback: off`)
+
+    def prompt_chars(self) -> int:
+        """The prompt's length in characters (what a load estimate has before tokenizing)."""
+        if self.messages is not None:
+            return sum(len(m.content) for m in self.messages)
+        return len(self.text or "")
+
+
+@dataclass(frozen=True)
+class ServedBy:
+    """Who answers a request and, when it is not the device's own model, why (the fallback's
+    trigger and a human-readable detail) and the model name the upstream answered with."""
+
+    by: Literal["edge", "upstream"]
+    reason: str | None = None
+    detail: str | None = None
+    model: str | None = None
+
+
+EDGE = ServedBy("edge")
 
 
 @dataclass(frozen=True)
@@ -50,6 +89,7 @@ class Started:
 
     info: EngineInfo
     prompt_tokens: int
+    served_by: ServedBy = EDGE
 
 
 class Cancelled(Exception):
@@ -68,6 +108,31 @@ class Generation(Protocol):
 
     def cancel(self) -> None:
         """Stop generating as soon as possible and free the engine; idempotent."""
+        ...
+
+
+@runtime_checkable
+class Metered(Protocol):
+    """A generation that learns its token counts only at its end (an upstream's `usage`)."""
+
+    def usage(self) -> tuple[int, int] | None:
+        """(prompt tokens, completion tokens) once reported, else None."""
+        ...
+
+
+EdgeStatus = Literal["ready", "busy", "offline"]
+
+
+class LoadReport(Protocol):
+    """What a local source tells the fallback before it starts a job."""
+
+    def edge_status(self) -> EdgeStatus:
+        """offline: no model can serve; busy: a new request would wait for others; else ready."""
+        ...
+
+    def first_token_estimate(self, job: Job) -> float | None:
+        """Seconds until `job`, started now, would produce its first token: its queue position times
+        the recent time per request ahead of it, plus its own prefill; None without recent timings."""
         ...
 
 
@@ -168,6 +233,20 @@ class SlotTokenSource:
         self._admission = admission
         self._live: set[_ThreadGeneration] = set()
         self._live_lock = threading.Lock()
+        self._times = ServiceTimes()
+
+    def edge_status(self) -> EdgeStatus:
+        """See LoadReport."""
+        if not self._manager.ready:
+            return "offline"
+        counts = self._admission.counts()
+        # The engine runs one request at a time: anyone running means a newcomer waits.
+        return "busy" if counts.running or counts.waiting else "ready"
+
+    def first_token_estimate(self, job: Job) -> float | None:
+        """See LoadReport: every admitted request (running or waiting) is ahead of `job`."""
+        counts = self._admission.counts()
+        return self._times.first_token_estimate(counts.running + counts.waiting, job.prompt_chars())
 
     async def start(self, job: Job) -> Generation:
         """See TokenSource.start."""
@@ -200,9 +279,14 @@ class SlotTokenSource:
                 with contextlib.closing(slot.stream(prompt, params, job.timeout_s)) as events:
                     if not generation.put(Started(slot.info, len(prompt))):
                         return
+                    began, first, tokens = time.monotonic(), None, 0
                     for event in events:
+                        first = first or time.monotonic()
+                        tokens += event.token_id is not None
                         if not generation.put(event):
                             return  # cancelled: closing the stream frees the engine
+                    if first is not None:
+                        self._times.add(began, first, time.monotonic(), job.prompt_chars(), tokens)
                 generation.put(_END)
         except BaseException as exc:
             generation.put(_api_error(exc))
@@ -244,6 +328,14 @@ def _api_error(exc: BaseException) -> BaseException:
             type_="server_error",
             code="model_unavailable",
             headers={"Retry-After": str(exc.retry_after_s)},
+        )
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch.cuda's too
+        return ApiError(
+            503,
+            "the engine ran out of memory; retry later",
+            type_="server_error",
+            code="out_of_memory",
+            headers={"Retry-After": "1"},
         )
     if isinstance(exc, SitsError):
         # Raised by the engine before or while generating (tokenizing, refused parameters).

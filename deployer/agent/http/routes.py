@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from deployer.agent.engines.base import EngineInfo, SamplingParams, TokenEvent
 from deployer.agent.hotswap import ModelManager, SwapResult
 from deployer.agent.http.auth import KeyRing
-from deployer.agent.http.generate import Cancelled, Generation, Job, TokenSource
+from deployer.agent.http.generate import Cancelled, Generation, Job, Metered, ServedBy, TokenSource
 from deployer.agent.http.metrics import CONTENT_TYPE, AgentMetrics
 from deployer.agent.http.openai_schemas import (
     ApiError,
@@ -316,6 +316,8 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
         text=body.prompt_text() if isinstance(body, CompletionRequest) else None,
         plan=lambda prompt_len, info: _plan(body, prompt_len, info, settings),
         timeout_s=settings.request_timeout_s,
+        request=body,
+        fallback=request.headers.get("x-sits-fallback", "").lower() != "off",
     )
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
@@ -342,7 +344,8 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
         gone.cancel()
     usage_ = usage(run.prompt_tokens, run.tokens)
     make = chat_response if kind == "chat" else completion_response
-    return JSONResponse(make(run.rid, run.model, text, run.finish, usage_))
+    answer = make(run.rid, run.model, text, run.finish, usage_) | run.served_field()
+    return JSONResponse(answer, headers=served_headers(run.served_by))
 
 
 async def _start(server: AgentApp, job: Job, gone: asyncio.Future) -> Generation:
@@ -409,6 +412,14 @@ def _max_tokens(
     return requested
 
 
+def served_headers(served: ServedBy) -> dict[str, str]:
+    """`x-sits-served-by: edge|upstream`, and for an upstream answer `x-sits-fallback-reason`."""
+    headers = {"x-sits-served-by": served.by}
+    if served.reason:
+        headers["x-sits-fallback-reason"] = served.reason
+    return headers
+
+
 class _Run:
     """One generation's bookkeeping: id, model, tokens, finish reason, and its latency metrics."""
 
@@ -418,7 +429,8 @@ class _Run:
         self.kind = kind
         self.rid = rid
         self.generation = generation
-        self.model = model_id(generation.started.info)
+        self.served_by = generation.started.served_by
+        self.model = self.served_by.model or model_id(generation.started.info)
         self.prompt_tokens = generation.started.prompt_tokens
         self.started = started
         self.metrics = metrics
@@ -437,12 +449,22 @@ class _Run:
                 self.finish = event.finish_reason
             yield event
         self.metrics.e2e.observe(time.monotonic() - self.started)
+        reported = self.generation.usage() if isinstance(self.generation, Metered) else None
+        if reported is not None:  # an upstream's own count of its tokens
+            self.prompt_tokens, self.tokens = reported
+
+    def served_field(self) -> dict:
+        """The extension field every answer and chunk carries: who answered, and why."""
+        served = self.served_by
+        return {"sits": {"served_by": served.by, "fallback_reason": served.reason, "detail": served.detail}}
 
     def chunk(self, text: str, finish: str | None, usage_: dict | None = None) -> dict:
         """One stream chunk in the run's wire form (chat delta or completion text)."""
         if self.kind == "chat":
-            return chat_chunk(self.rid, self.model, {"content": text} if text else {}, finish, usage_)
-        return completion_chunk(self.rid, self.model, text, finish, usage_)
+            body = chat_chunk(self.rid, self.model, {"content": text} if text else {}, finish, usage_)
+        else:
+            body = completion_chunk(self.rid, self.model, text, finish, usage_)
+        return body | self.served_field()
 
 
 def _sse(body: dict) -> bytes:
@@ -462,6 +484,7 @@ class _EventStream(Response):
         self.raw_headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
+            *((k.encode(), v.encode()) for k, v in served_headers(run.served_by).items()),
         ]
         self.run = run
         self.include_usage = include_usage
@@ -472,7 +495,8 @@ class _EventStream(Response):
     async def _chunks(self) -> AsyncIterator[bytes]:
         run = self.run
         if run.kind == "chat":
-            yield _sse(chat_chunk(run.rid, run.model, {"role": "assistant", "content": ""}, None))
+            role = chat_chunk(run.rid, run.model, {"role": "assistant", "content": ""}, None)
+            yield _sse(role | run.served_field())
         try:
             async for event in run.events():
                 if event.text:

@@ -41,6 +41,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from deployer.agent.engines.base import Engine
+from deployer.agent.fallback.source import FallbackSource
 from deployer.agent.hotswap import ModelManager, SwapResult
 from deployer.agent.http.admin import build_admin
 from deployer.agent.http.admission import Admission
@@ -77,12 +78,27 @@ class AgentServer:
         self.store = DeviceStore(settings.root)
         self.manager = ModelManager(engine_factory, settings, on_swap=self._record_swap)
         self.admission = Admission(settings.max_concurrent, settings.queue_length, self._record_counts)
-        self.source: TokenSource = SlotTokenSource(self.manager, self.admission)
+        self.source: TokenSource = self._token_source()
         self.keyring: KeyRing = self._read_keys()
         self._servers: list[uvicorn.Server] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._port: int | None = None
+
+    def _token_source(self) -> TokenSource:
+        """The device's own source, behind the edge-cloud fallback when agent.yaml configures one."""
+        local = SlotTokenSource(self.manager, self.admission)
+        fallback = self.settings.fallback
+        if fallback is None:
+            return local
+        return FallbackSource(
+            fallback,
+            local,
+            local,
+            active_info=self.manager.active_info,
+            max_tokens=self.settings.max_tokens,
+            registry=self.metrics.registry,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -1,0 +1,335 @@
+"""The edge-cloud fallback as a TokenSource: per request, the device's own model or the upstream's,
+never both in one answer.
+
+    policy off         every request goes to the device's model (so does a request sent with
+                       `x-sits-fallback: off`, as the controller's health checks are)
+    policy always      every request goes upstream first; the device answers when the upstream cannot
+    policy on-trigger  the device answers unless a trigger fires:
+      not_ready    no model is loaded (loading, or the load failed), or the source says so (503)
+      overloaded   the source refused the request (queue full, out of memory, waited too long)
+      deadline     the source's own estimate of the first token (queue position × recent service
+                   time + prefill) is past `deadline_ms`, and the upstream's recent P95 is shorter;
+                   or, once started, no first token came within `deadline_ms`: then the upstream is
+                   asked too and the first of the two to produce a token answers, the other is
+                   cancelled (so a late device still answers when the upstream cannot)
+
+`start` returns only once the answerer's first token is in hand (or its tokenless answer is
+complete), which is how no answer mixes two models: the decision falls before anything leaves.
+The upstream's failures (unreachable, too slow, error status, not an OpenAI stream) feed a circuit
+breaker; when the upstream cannot answer, the device does where it can, else the request fails
+with 502 (the upstream answered badly) or 503 (it could not be reached, or its breaker is open).
+
+Confidence (`min_confidence`) is the one trigger not wired: it needs each token's probability,
+which the engines do not report yet (FallbackSettings refuses the setting). With logprobs on
+TokenEvent, `_local_first` reads `confidence_tokens` events instead of one and compares their mean
+probability; everything else here stays as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Literal
+
+from prometheus_client import CollectorRegistry
+
+from deployer.agent.engines.base import EngineInfo, SamplingParams, TokenEvent
+from deployer.agent.fallback.breaker import CircuitBreaker
+from deployer.agent.fallback.metrics import RECENT_WINDOW_S, FallbackMetrics
+from deployer.agent.fallback.settings import FallbackSettings
+from deployer.agent.fallback.upstream import UpstreamClient, UpstreamFailure, UpstreamGeneration
+from deployer.agent.fallback.window import RecentEvents, RecentLatencies
+from deployer.agent.http.generate import Generation, Job, LoadReport, Started, TokenSource
+from deployer.agent.http.openai_schemas import ApiError
+from deployer.errors import AgentError
+
+__all__ = ["FallbackSource", "read_api_key"]
+
+_log = logging.getLogger("sits.agent")
+
+# The source's refusals (codes of generate._api_error) that a trigger covers.
+_TRIGGERED_BY = {
+    "model_unavailable": "not_ready",
+    "overloaded": "overloaded",
+    "out_of_memory": "overloaded",
+    "queue_timeout": "overloaded",
+}
+
+
+def read_api_key(path: Path | None) -> str | None:
+    """The upstream's bearer key: the first line of `path`. Raises AgentError naming the file
+    (never its content) when it cannot be read or is empty."""
+    if path is None:
+        return None
+    try:
+        lines = path.read_text(encoding="utf-8").strip().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise AgentError(
+            f"cannot read the fallback API key file {path}: {reason}",
+            hint="the controller writes it (mode 0600) from deploy.yaml's fallback.upstream.api_key",
+        ) from None
+    if not lines or not lines[0].strip():
+        raise AgentError(f"the fallback API key file {path} is empty", hint="put the key on its first line")
+    return lines[0].strip()
+
+
+class FallbackSource:
+    """Wraps the device's own source (`local`, which reports its load through `load`)."""
+
+    def __init__(
+        self,
+        settings: FallbackSettings,
+        local: TokenSource,
+        load: LoadReport,
+        *,
+        active_info: Callable[[], EngineInfo | None],
+        max_tokens: int,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.settings = settings
+        self._local = local
+        self._load = load
+        self._active_info = active_info
+        self._max_tokens = max_tokens
+        self._upstream = UpstreamClient(
+            settings.base_url,
+            settings.model,
+            read_api_key(settings.api_key_file),
+            first_token_timeout_s=settings.first_token_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
+        )
+        self.breaker = CircuitBreaker(
+            settings.breaker_failures, settings.breaker_backoff_s, settings.breaker_max_backoff_s
+        )
+        self.latencies = RecentLatencies(settings.latency_window)
+        self.recent = RecentEvents(RECENT_WINDOW_S)
+        self.metrics = FallbackMetrics(
+            registry, load.edge_status, lambda: self.breaker.state, self.recent.count
+        )
+        self._live: weakref.WeakSet[UpstreamGeneration] = weakref.WeakSet()
+
+    # -- TokenSource ------------------------------------------------------------------------------
+
+    async def start(self, job: Job) -> Generation:
+        """See TokenSource.start: decide who answers, and return once its first token is in hand."""
+        began = time.monotonic()
+        policy = self.settings.policy
+        if policy == "off" or not job.fallback:
+            return self._edge(await self._local.start(job))
+        if policy == "always":
+            return await self._upstream_else_local(job, "always", "the policy sends every request upstream")
+        if self.settings.not_ready and self._load.edge_status() == "offline":
+            return await self._upstream_else_fail(job, "not_ready", "no model is loaded on the device", None)
+        deadline_ms = self.settings.deadline_ms
+        estimate = self._load.first_token_estimate(job) if deadline_ms else None
+        if deadline_ms and estimate is not None and estimate * 1000 > deadline_ms:
+            p95 = self.latencies.p95()
+            if p95 is None or p95 < estimate:
+                detail = f"estimated first token in {estimate * 1000:.0f} ms, deadline {deadline_ms} ms"
+                if p95 is not None:
+                    detail += f", upstream P95 {p95 * 1000:.0f} ms"
+                return await self._upstream_else_local(job, "deadline", detail)
+        return await self._local_within_deadline(job, began)
+
+    def cancel_all(self) -> None:
+        """See TokenSource.cancel_all; closes the upstream's connections too."""
+        self._local.cancel_all()
+        for generation in list(self._live):
+            generation.cancel()
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().create_task(self._upstream.aclose())
+
+    # -- the paths --------------------------------------------------------------------------------
+
+    async def _local_within_deadline(self, job: Job, began: float) -> Generation:
+        """The device's answer, unless its first token misses the deadline and the upstream's first
+        token comes before it; a refusal a trigger covers goes upstream."""
+        local = asyncio.ensure_future(self._local_first(job))
+        upstream: asyncio.Future[UpstreamGeneration] | None = None
+        try:
+            deadline_ms = self.settings.deadline_ms
+            timeout = None if deadline_ms is None else max(0.0, began + deadline_ms / 1000 - time.monotonic())
+            await asyncio.wait({local}, timeout=timeout)
+            if not local.done():
+                upstream = asyncio.ensure_future(self._open_upstream(job))
+                await asyncio.wait({local, upstream}, return_when=asyncio.FIRST_COMPLETED)
+                if not local.done() and upstream.exception() is None:
+                    local.cancel()
+                    detail = f"no first token within {deadline_ms} ms"
+                    return self._served(upstream.result(), "deadline", detail)
+            await asyncio.wait({local})
+            error = local.exception()
+            if error is None:
+                if upstream is not None:
+                    _discard(upstream)  # the device's first token came first after all
+                return self._edge(local.result())
+            reason = _TRIGGERED_BY.get(error.code or "") if isinstance(error, ApiError) else None
+            if not isinstance(error, ApiError) or reason is None or not getattr(self.settings, reason):
+                raise error
+            if upstream is not None:  # already asked: its answer, or its failure
+                await asyncio.wait({upstream})
+                if upstream.exception() is None:
+                    return self._served(upstream.result(), reason, error.message)
+                raise _failed(error, upstream.exception())
+            return await self._upstream_else_fail(job, reason, error.message, error)
+        except BaseException:
+            for task in (local, upstream):
+                if task is not None:
+                    _discard(task)
+            raise
+
+    async def _upstream_else_local(self, job: Job, reason: str, detail: str) -> Generation:
+        """The upstream's answer; the device's when the upstream cannot give one."""
+        try:
+            generation = await self._open_upstream(job)
+        except UpstreamFailure as exc:
+            _log.warning("fallback (%s): the upstream failed, the device answers: %s", reason, exc.message)
+            return self._edge(await self._local.start(job))
+        return self._served(generation, reason, detail)
+
+    async def _upstream_else_fail(
+        self, job: Job, reason: str, detail: str, local_error: ApiError | None
+    ) -> Generation:
+        """The upstream's answer where the device has none; 502/503 when the upstream cannot."""
+        try:
+            generation = await self._open_upstream(job)
+        except UpstreamFailure as exc:
+            raise _failed(local_error or ApiError(503, detail, type_="server_error"), exc) from None
+        return self._served(generation, reason, detail)
+
+    # -- the two answerers ------------------------------------------------------------------------
+
+    async def _local_first(self, job: Job) -> Generation:
+        """The device's generation, started and with its first event read ahead."""
+        generation = await self._local.start(job)
+        try:
+            events = generation.events().__aiter__()
+            head: list[TokenEvent] = []
+            with contextlib.suppress(StopAsyncIteration):
+                head.append(await events.__anext__())
+            return _ReadAhead(generation, head, events)
+        except BaseException:
+            generation.cancel()
+            raise
+
+    async def _open_upstream(self, job: Job) -> UpstreamGeneration:
+        """The upstream's generation with its first token in hand, through the breaker."""
+        params = self._upstream_params(job)  # ApiError (the client's mistake) passes through
+        body = _upstream_body(job, params)
+        if not self.breaker.allow():
+            self._count_failure("open")
+            raise UpstreamFailure(
+                "open",
+                f"the upstream failed repeatedly; its circuit breaker is open for "
+                f"{self.breaker.retry_after_s():.0f} s more",
+            )
+        kind: Literal["chat", "completion"] = "chat" if job.messages is not None else "completion"
+        try:
+            generation = await self._upstream.open(kind, body)
+        except UpstreamFailure as exc:
+            self.breaker.failure()
+            self._count_failure(exc.kind)
+            raise
+        except BaseException:
+            self.breaker.release()
+            raise
+        self.breaker.success()
+        self.latencies.add(generation.latency_s)
+        self.metrics.upstream_latency.observe(generation.latency_s)
+        self._live.add(generation)
+        return generation
+
+    def _upstream_params(self, job: Job) -> SamplingParams:
+        """The request's sampling; with a model loaded, through the device's own checks (the model
+        name, the max_tokens limit), so that a request is refused alike whoever would answer it."""
+        info = self._active_info()
+        if info is not None:
+            return job.plan(1, info)
+        request = job.request
+        if request is None:
+            return SamplingParams(max_tokens=self._max_tokens)
+        return request.sampling(min(request.requested_max_tokens() or self._max_tokens, self._max_tokens))
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    def _edge(self, generation: Generation) -> Generation:
+        self.metrics.answers.labels(served_by="edge").inc()
+        return generation
+
+    def _served(self, generation: UpstreamGeneration, reason: str, detail: str) -> Generation:
+        generation.served(reason, detail)
+        self.recent.add()
+        self.metrics.answers.labels(served_by="upstream").inc()
+        self.metrics.fallbacks.labels(reason=reason).inc()
+        return generation
+
+    def _count_failure(self, kind: str) -> None:
+        self.metrics.failures.labels(kind=kind).inc()
+
+
+class _ReadAhead:
+    """A generation whose first events were read before the decision, replayed first."""
+
+    def __init__(self, inner: Generation, head: list[TokenEvent], rest: AsyncIterator[TokenEvent]) -> None:
+        self._inner = inner
+        self._head = head
+        self._rest = rest
+        self.started: Started = inner.started
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """See Generation.events."""
+        for event in self._head:
+            yield event
+        async for event in self._rest:
+            yield event
+
+    def cancel(self) -> None:
+        """See Generation.cancel."""
+        self._inner.cancel()
+
+
+def _discard(task: asyncio.Future) -> None:
+    """Cancel a task that lost (or whose request failed), and the generation it may have made."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled() and task.exception() is None:
+        task.result().cancel()
+
+
+def _failed(local: ApiError, upstream: BaseException | None) -> ApiError:
+    """The error for a request neither the device nor the upstream could answer: 502 when the
+    upstream answered badly, 503 when it could not be reached (or its breaker is open)."""
+    kind = upstream.kind if isinstance(upstream, UpstreamFailure) else "connect"
+    detail = upstream.message if isinstance(upstream, UpstreamFailure) else str(upstream)
+    bad_answer = kind in ("status", "malformed")
+    return ApiError(
+        502 if bad_answer else 503,
+        f"{local.message}; the upstream fallback failed too: {detail}",
+        type_="server_error",
+        code="upstream_error" if bad_answer else "upstream_unavailable",
+        headers={"Retry-After": local.headers.get("Retry-After", "1")},
+    )
+
+
+def _upstream_body(job: Job, params: SamplingParams) -> dict[str, object]:
+    """The OpenAI request body for the upstream (model, stream and usage are set by the client)."""
+    body: dict[str, object] = {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if job.messages is not None:
+        body["messages"] = [{"role": m.role, "content": m.content} for m in job.messages]
+    else:
+        body["prompt"] = job.text or ""
+    return body

@@ -1,0 +1,429 @@
+"""Edge-cloud fallback end to end through the official openai client: an edge agent (tiny model,
+seed 0) and, as its upstream, a second agent on loopback serving other weights (seed 1), so that
+every token says which model made it. A misbehaving upstream (ThreadingHTTPServer below) stands in
+only where a test needs the upstream to fail in a particular way; each such test says so."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import openai
+import pytest
+
+from deployer.agent.engines import make_engine
+from deployer.agent.fallback.settings import CONFIDENCE_NEEDS_LOGPROBS, FallbackSettings
+from deployer.agent.http.server import AgentServer
+from deployer.agent.settings import load_settings
+from deployer.errors import AgentError, ConfigError
+from tests.agent_server.conftest import metric_is
+
+QUESTION = [{"role": "user", "content": "Hello there"}]
+KEY = "sk-upstream-" + "k" * 32
+SAMPLED = {"temperature": 1.0, "seed": 7, "max_tokens": 12}  # greedy, both tiny models say only newlines
+
+
+def _client(agent: AgentServer, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{agent.port}/v1", api_key="x", max_retries=0, timeout=timeout
+    )
+
+
+def _chat(agent: AgentServer, model: str, **extra):
+    """(headers, parsed completion) of one greedy chat request."""
+    raw = _client(agent).chat.completions.with_raw_response.create(
+        **{"model": model, "messages": QUESTION, "max_tokens": 6, "temperature": 0, **extra}
+    )
+    return raw.headers, raw.parse()
+
+
+def _stream(agent: AgentServer, model: str, **extra):
+    """(headers, chunks) of one greedy streamed chat request."""
+    raw = _client(agent).chat.completions.with_raw_response.create(
+        **{
+            "model": model,
+            "messages": QUESTION,
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **extra,
+        }
+    )
+    return raw.headers, list(raw.parse())
+
+
+@pytest.fixture
+def upstream(start_agent, tiny_model_dir_b: Path) -> AgentServer:
+    """The second local device: a plain agent serving the seed-1 weights."""
+    agent = start_agent(load=False)
+    assert agent.reload(tiny_model_dir_b, "v1").ok
+    return agent
+
+
+@pytest.fixture
+def up_model(tiny_model_dir_b: Path) -> str:
+    return tiny_model_dir_b.name
+
+
+@pytest.fixture
+def fallback(upstream: AgentServer, up_model: str) -> Callable[..., FallbackSettings]:
+    """`fallback(**fields)`: settings pointing at the upstream agent."""
+
+    def make(**fields: object) -> FallbackSettings:
+        base = {"base_url": f"http://127.0.0.1:{upstream.port}/v1", "model": up_model}
+        return FallbackSettings(**{**base, **fields})
+
+    return make
+
+
+def _upstream_answer(upstream: AgentServer, up_model: str, **extra: object) -> str:
+    return _chat(upstream, up_model, **extra)[1].choices[0].message.content
+
+
+class HeldEngine:
+    """A real engine whose generations wait for `release` before their first token: a device that
+    is provably late, whatever the machine's speed."""
+
+    def __init__(self, release: threading.Event, waiting: threading.Event) -> None:
+        self._engine = make_engine("torch", context_length=256, threads=1)
+        self._release = release
+        self._waiting = waiting
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def stream(self, prompt, params):
+        self._waiting.set()
+        assert self._release.wait(60), "the test never released the engine"
+        yield from self._engine.stream(prompt, params)
+
+
+class PacedEngine:
+    """A real engine that takes at least `pause_s` per token after the first, and holds long
+    generations (max_tokens >= 100) after their first token until `gate` is set."""
+
+    def __init__(self, pause_s: float, gate: threading.Event, generating: threading.Event) -> None:
+        self._engine = make_engine("torch", context_length=256, threads=1)
+        self._pause_s = pause_s
+        self._gate = gate
+        self._generating = generating
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def stream(self, prompt, params):
+        for i, event in enumerate(self._engine.stream(prompt, params)):
+            if i:
+                time.sleep(self._pause_s)  # the slowness under test, not a synchronisation
+            yield event
+            if i == 0 and params.max_tokens >= 100:
+                self._generating.set()
+                assert self._gate.wait(60), "the test never opened the gate"
+
+
+# -- a misbehaving upstream, for the tests that need one ------------------------------------------
+
+
+class BadUpstream:
+    """An HTTP server that fails the way `mode` says: "500-echo" answers 500 quoting the request's
+    Authorization header (a broken upstream leaking what it was sent), "garbage" a 200 stream of
+    non-JSON, "hang" never answers, "truncate" one good chunk and then drops the connection."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.requests = 0
+        self.authorization: list[str] = []
+        self.stop = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                outer.requests += 1
+                outer.authorization.append(self.headers.get("Authorization", ""))
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.answer(self)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def answer(self, handler: BaseHTTPRequestHandler) -> None:
+        if self.mode == "hang":
+            self.stop.wait(60)
+            return
+        if self.mode == "500-echo":
+            body = json.dumps({"error": {"message": f"bad auth {handler.headers.get('Authorization')}"}})
+            handler.send_response(500)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            handler.wfile.write(body.encode())
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.end_headers()
+        if self.mode == "garbage":
+            handler.wfile.write(b"data: {this is not json\n\n")
+        else:  # truncate
+            chunk = {"id": "x", "model": "bad", "choices": [{"index": 0, "delta": {"content": "UP"}}]}
+            handler.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        handler.wfile.flush()
+        handler.close_connection = True
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def bad_upstream() -> Iterator[Callable[[str], BadUpstream]]:
+    servers: list[BadUpstream] = []
+
+    def make(mode: str) -> BadUpstream:
+        servers.append(BadUpstream(mode))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+# -- policies and triggers ------------------------------------------------------------------------
+
+
+def test_policy_always_answers_from_the_upstream_and_says_so(
+    start_agent, fallback, upstream, up_model, model_name
+):
+    edge = start_agent(fallback=fallback(policy="always"))
+    headers, reply = _chat(edge, model_name)
+    assert headers["x-sits-served-by"] == "upstream"
+    assert headers["x-sits-fallback-reason"] == "always"
+    assert reply.model == f"{up_model}@v1"  # the upstream's own name for itself
+    assert reply.model_extra["sits"]["served_by"] == "upstream"
+    assert reply.choices[0].message.content == _upstream_answer(upstream, up_model)
+    assert reply.usage.completion_tokens >= 1 and reply.usage.prompt_tokens >= 1  # the upstream's count
+    assert edge.metrics.value("sits_fallbacks_total", reason="always") == 1
+    assert edge.metrics.value("sits_answers_total", served_by="upstream") == 1
+    assert edge.metrics.value("sits_fallbacks_last_5m") == 1
+    assert edge.metrics.value("sits_upstream_first_token_seconds_count") == 1
+
+
+def test_policy_off_and_a_quick_device_answer_locally(start_agent, fallback, model_name, wait_until):
+    for policy in ("off", "on-trigger"):
+        edge = start_agent(fallback=fallback(policy=policy, deadline_ms=60_000))
+        headers, reply = _chat(edge, model_name)
+        assert headers["x-sits-served-by"] == "edge"
+        assert "x-sits-fallback-reason" not in headers
+        assert reply.model == f"{model_name}@v1"
+        assert reply.model_extra["sits"] == {"served_by": "edge", "fallback_reason": None, "detail": None}
+        assert edge.metrics.value("sits_answers_total", served_by="edge") == 1
+        # The worker returns its slot just after the answer left: busy until then.
+        wait_until(metric_is(edge, "sits_edge_status", 1, status="ready"), "the device is ready again")
+
+
+def test_a_request_can_insist_on_the_device(start_agent, fallback, model_name):
+    edge = start_agent(fallback=fallback(policy="always"))
+    headers, reply = _chat(edge, model_name, extra_headers={"x-sits-fallback": "off"})
+    assert headers["x-sits-served-by"] == "edge" and reply.model == f"{model_name}@v1"
+
+
+def test_not_ready_goes_upstream_streamed_and_not(start_agent, fallback, upstream, up_model):
+    edge = start_agent(load=False, fallback=fallback())
+    assert edge.metrics.value("sits_edge_status", status="offline") == 1
+    headers, reply = _chat(edge, "anything")  # no model here to check the name against
+    assert (headers["x-sits-served-by"], headers["x-sits-fallback-reason"]) == ("upstream", "not_ready")
+    expected = _upstream_answer(upstream, up_model)
+    assert reply.choices[0].message.content == expected
+    headers, chunks = _stream(edge, "anything")
+    assert headers["x-sits-served-by"] == "upstream"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert edge.metrics.value("sits_fallbacks_total", reason="not_ready") == 2
+
+
+def test_not_ready_without_a_usable_upstream_is_a_503(start_agent, bad_upstream):
+    # A hanging upstream (the misbehaving server): the device has no model and the upstream no answer.
+    hung = bad_upstream("hang")
+    edge = start_agent(
+        load=False, fallback=FallbackSettings(base_url=hung.url, model="m", first_token_timeout_s=0.3)
+    )
+    with pytest.raises(openai.InternalServerError) as info:
+        _chat(edge, "m")
+    assert info.value.status_code == 503
+    assert info.value.code == "upstream_unavailable"
+    assert "no model is loaded" in info.value.message and "no token within 0.3 s" in info.value.message
+    assert edge.metrics.value("sits_fallback_failures_total", kind="timeout") == 1
+
+
+def test_overloaded_goes_upstream(start_agent, fallback, gated, model_name):
+    factory, gate, generating = gated
+    edge = start_agent(
+        factory=factory, max_concurrent=1, queue_length=0, max_tokens=150, fallback=fallback(deadline_ms=None)
+    )
+    holder = threading.Thread(
+        target=lambda: _client(edge).chat.completions.create(
+            model=model_name, messages=QUESTION, max_tokens=100
+        )
+    )
+    holder.start()
+    assert generating.wait(60)
+    headers, _ = _chat(edge, model_name)
+    assert (headers["x-sits-served-by"], headers["x-sits-fallback-reason"]) == ("upstream", "overloaded")
+    gate.set()
+    holder.join(60)
+    assert edge.metrics.value("sits_fallbacks_total", reason="overloaded") == 1
+
+
+def test_overloaded_trigger_off_keeps_the_429(start_agent, fallback, gated, model_name):
+    factory, gate, generating = gated
+    settings = fallback(deadline_ms=None, overloaded=False)
+    edge = start_agent(factory=factory, max_concurrent=1, queue_length=0, max_tokens=150, fallback=settings)
+    holder = threading.Thread(
+        target=lambda: _client(edge).chat.completions.create(
+            model=model_name, messages=QUESTION, max_tokens=100
+        )
+    )
+    holder.start()
+    assert generating.wait(60)
+    with pytest.raises(openai.RateLimitError):
+        _chat(edge, model_name)
+    gate.set()
+    holder.join(60)
+
+
+def test_a_late_first_token_goes_upstream_and_a_stream_never_mixes(
+    start_agent, fallback, upstream, up_model, model_name, wait_until
+):
+    release, waiting = threading.Event(), threading.Event()
+    release.set()  # the load's smoke test runs on the same engine
+    edge = start_agent(factory=lambda: HeldEngine(release, waiting), fallback=fallback(deadline_ms=50))
+    edge_alone = _chat(start_agent(), model_name, **SAMPLED)[1].choices[0].message.content
+    release.clear()
+    waiting.clear()
+    headers, chunks = _stream(edge, model_name, **SAMPLED)
+    assert waiting.is_set()  # the device did start, and was held before its first token
+    assert (headers["x-sits-served-by"], headers["x-sits-fallback-reason"]) == ("upstream", "deadline")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    upstream_alone = _upstream_answer(upstream, up_model, **SAMPLED)
+    assert upstream_alone != edge_alone  # the two models are told apart by their words
+    assert text == upstream_alone  # every token from the upstream, none from the device
+    assert {c.model for c in chunks} == {f"{up_model}@v1"}
+    assert {c.model_extra["sits"]["served_by"] for c in chunks} == {"upstream"}
+    assert "no first token within 50 ms" in chunks[0].model_extra["sits"]["detail"]
+    release.set()  # the device's generation was cancelled: it frees its slot without answering
+    wait_until(lambda: edge.admission.counts().running == 0, "the device's cancelled request ends")
+
+
+def test_the_estimate_sends_a_request_upstream_before_it_starts(start_agent, fallback, model_name):
+    gate, generating = threading.Event(), threading.Event()
+    edge = start_agent(
+        factory=lambda: PacedEngine(0.2, gate, generating), max_tokens=150, fallback=fallback()
+    )
+    # One timed request (4 tokens, so at least 0.6 s on the engine), then one that holds the engine.
+    headers, _ = _chat(edge, model_name, max_tokens=4)
+    assert headers["x-sits-served-by"] == "edge"
+    holder = threading.Thread(
+        target=lambda: _client(edge).chat.completions.create(
+            model=model_name, messages=QUESTION, max_tokens=100
+        )
+    )
+    holder.start()
+    assert generating.wait(60)
+    headers, reply = _chat(edge, model_name)
+    assert (headers["x-sits-served-by"], headers["x-sits-fallback-reason"]) == ("upstream", "deadline")
+    assert reply.model_extra["sits"]["detail"].startswith("estimated first token in ")
+    gate.set()
+    holder.join(60)
+
+
+# -- upstream failures ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["500-echo", "garbage", "hang"])
+def test_a_failing_upstream_leaves_the_answer_to_the_device(start_agent, bad_upstream, model_name, mode):
+    # The misbehaving server: an error status, a body that is no OpenAI stream, no answer at all.
+    bad = bad_upstream(mode)
+    settings = FallbackSettings(base_url=bad.url, model="m", policy="always", first_token_timeout_s=0.5)
+    edge = start_agent(fallback=settings)
+    headers, reply = _chat(edge, model_name)
+    assert headers["x-sits-served-by"] == "edge"
+    assert reply.model == f"{model_name}@v1" and reply.choices[0].message.content
+    kind = {"500-echo": "status", "garbage": "malformed", "hang": "timeout"}[mode]
+    assert edge.metrics.value("sits_fallback_failures_total", kind=kind) == 1
+
+
+def test_an_upstream_failing_mid_stream_ends_the_stream_with_an_error(start_agent, bad_upstream):
+    # The misbehaving server sends one good chunk and drops the connection: the answer is already the
+    # upstream's, so it ends with an error event instead of going on with the device's tokens.
+    bad = bad_upstream("truncate")
+    edge = start_agent(load=False, fallback=FallbackSettings(base_url=bad.url, model="m"))
+    with pytest.raises(openai.APIError) as info:
+        _stream(edge, "m")
+    assert "the upstream failed mid-answer" in str(info.value)
+
+
+def test_the_breaker_stops_calling_a_failing_upstream(start_agent, bad_upstream, model_name):
+    # The misbehaving server answers 500 to everything.
+    bad = bad_upstream("500-echo")
+    settings = FallbackSettings(
+        base_url=bad.url, model="m", policy="always", breaker_failures=2, breaker_backoff_s=600
+    )
+    edge = start_agent(fallback=settings)
+    for _ in range(5):
+        assert _chat(edge, model_name)[0]["x-sits-served-by"] == "edge"
+    assert bad.requests == 2  # then the breaker opened: three requests never left the device
+    assert edge.metrics.value("sits_fallback_failures_total", kind="status") == 2
+    assert edge.metrics.value("sits_fallback_failures_total", kind="open") == 3
+    assert edge.metrics.value("sits_fallback_breaker_state", state="open") == 1
+
+
+def test_the_key_reaches_the_upstream_and_nothing_else(start_agent, bad_upstream, short_dir, caplog):
+    # The misbehaving server echoes the Authorization header it was sent in its 500 error.
+    bad = bad_upstream("500-echo")
+    key_file = short_dir / "fallback-key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    settings = FallbackSettings(base_url=bad.url, model="m", api_key_file=key_file)
+    edge = start_agent(load=False, fallback=settings)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(openai.APIStatusError) as info:
+        _chat(edge, "m")
+    assert bad.authorization == [f"Bearer {KEY}"]
+    assert info.value.status_code == 502 and info.value.code == "upstream_error"
+    assert "[redacted]" in info.value.message
+    assert KEY not in info.value.message and KEY not in info.value.response.text
+    assert KEY not in caplog.text
+    assert KEY not in edge.metrics.render().decode()
+    assert KEY not in repr(edge.settings)
+
+
+def test_an_unreadable_key_file_is_named_not_read(start_agent, short_dir):
+    missing = short_dir / "nope"
+    with pytest.raises(AgentError, match=r"cannot read the fallback API key file .*nope"):
+        start_agent(
+            fallback=FallbackSettings(base_url="http://127.0.0.1:9/v1", model="m", api_key_file=missing)
+        )
+
+
+def test_min_confidence_is_refused_until_the_engines_report_logprobs(tmp_path):
+    path = tmp_path / "agent.yaml"
+    path.write_text("fallback:\n  base_url: http://10.0.0.5:8080/v1\n  model: m\n  min_confidence: 0.6\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    assert f"{path}:4: fallback.min_confidence:" in info.value.message
+    assert "logprobs" in info.value.message and CONFIDENCE_NEEDS_LOGPROBS.split(";")[0] in info.value.message
