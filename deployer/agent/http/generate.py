@@ -25,23 +25,34 @@ from deployer.agent.hotswap import ModelManager, Unavailable
 from deployer.agent.http.admission import Admission, Overloaded, QueueTimeout
 from deployer.agent.http.openai_schemas import ApiError
 from deployer.agent.notify import lifecycle_event
-from deployer.errors import SitsError
+from deployer.errors import AgentError, SitsError
 
-__all__ = ["Cancelled", "Generation", "Job", "SlotTokenSource", "Started", "TokenSource"]
+__all__ = [
+    "QUEUE_EVENTS",
+    "Cancelled",
+    "Generation",
+    "Job",
+    "SlotTokenSource",
+    "Started",
+    "TokenSource",
+    "api_error",
+]
 
 QUEUE_EVENTS = 64  # token events buffered per request between the engine and the client
 
 
 @dataclass(frozen=True)
 class Job:
-    """One generation the HTTP layer asks for: chat messages or plain text, and how to turn the
-    tokenized prompt's length and the model into sampling parameters (raises ApiError 400 when the
-    request cannot fit)."""
+    """One generation the HTTP layer asks for: chat messages (with the tools the model may call) or
+    plain text (with the `suffix` to fill in before), and how to turn the tokenized prompt's length
+    and the model into sampling parameters (raises ApiError 400 when the request cannot fit)."""
 
     messages: tuple[ChatMessage, ...] | None
     text: str | None
     plan: Callable[[int, EngineInfo], SamplingParams]
     timeout_s: float
+    tools: tuple[dict, ...] | None = None
+    suffix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -205,7 +216,7 @@ class SlotTokenSource:
                             return  # cancelled: closing the stream frees the engine
                 generation.put(_END)
         except BaseException as exc:
-            generation.put(_api_error(exc))
+            generation.put(api_error(exc))
         finally:
             with self._live_lock:
                 self._live.discard(generation)
@@ -213,11 +224,16 @@ class SlotTokenSource:
 
 def _tokenize(engine: Engine, job: Job) -> list[int]:
     if job.messages is not None:
-        return engine.chat_prompt(list(job.messages))
+        return engine.chat_prompt(list(job.messages), tools=job.tools)
+    if job.suffix is not None:
+        try:
+            return engine.infill_prompt(job.text or "", job.suffix)
+        except AgentError as exc:
+            raise ApiError(400, exc.message, param="suffix", code="unsupported_parameter") from exc
     return engine.encode(job.text or "")
 
 
-def _api_error(exc: BaseException) -> BaseException:
+def api_error(exc: BaseException) -> BaseException:
     """The ApiError a failure of the worker answers as."""
     if isinstance(exc, ApiError):
         return exc
