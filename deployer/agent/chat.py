@@ -63,17 +63,14 @@ def tool_call_text(call: ToolCall) -> str:
 
 
 def tools_prompt(tools: Sequence[dict]) -> str:
-    """The tools and the call format, for templates that do not render tools themselves (the text
-    of the Hermes format, which Qwen2.5's template writes too)."""
-    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    """The tools and the call format, for templates that do not render tools themselves (the
+    Hermes format's wording, shortened: small models have small contexts)."""
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False, separators=(",", ":")) for tool in tools)
     before, after = tool_call_frame("<function-name>")
     example = before.replace('"<function-name>"', "<function-name>") + "<args-json-object>" + after
     return (
-        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n"
-        f"<tools>\n{listed}\n</tools>\n\n"
-        "For each function call, return a json object with function name and arguments within "
-        f"{TOOL_CALL_OPEN}{TOOL_CALL_CLOSE} XML tags:\n{example}"
+        f"You may call functions. Their signatures:\n<tools>\n{listed}\n</tools>\n"
+        f"To call one, answer with:\n{example}"
     )
 
 
