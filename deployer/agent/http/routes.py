@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployer.agent.engines.base import EngineInfo, SamplingParams, TokenEvent
 from deployer.agent.hotswap import ModelManager, SwapResult
@@ -115,7 +115,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
     path = request.url.path
     if exc.status_code == 405:
         error = ApiError(
-            405, f"{request.method} is not allowed on {path}", code="method_not_allowed", headers=exc.headers
+            405,
+            f"{request.method} is not allowed on {path}",
+            code="method_not_allowed",
+            headers=dict(exc.headers or {}),
         )
     else:
         error = ApiError(exc.status_code, f"no route {request.method} {path}", code="not_found")
@@ -139,9 +142,10 @@ class _Counted:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope["sits"] = holder = {}
+        holder: dict[str, int] = {}
+        scope["sits"] = holder
 
-        async def counting_send(message: dict) -> None:
+        async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 holder.setdefault("status", message["status"])
             await send(message)
@@ -369,7 +373,11 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
     except ClientDisconnect:
         _status_of(request, GONE)
         return Response(status_code=GONE)
-    body = parse_request(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
+    body: ChatCompletionRequest | CompletionRequest = (
+        parse_request(ChatCompletionRequest, data)
+        if kind == "chat"
+        else parse_request(CompletionRequest, data)
+    )
     report_ignored(server, body)
     jobs = _jobs(body, settings)
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
@@ -527,8 +535,9 @@ class _Run:
         self.metrics = server.metrics
         self.tokens = 0
         self.finish = ["stop"] * len(jobs)
-        chat = isinstance(body, ChatCompletionRequest)
-        names = {t.function.name for t in body.tools or ()} if chat and body.tool_mode() != "none" else None
+        names = None
+        if isinstance(body, ChatCompletionRequest) and body.tool_mode() != "none":
+            names = {t.function.name for t in body.tools or ()}
         echo = body.prompt_text() if isinstance(body, CompletionRequest) and body.echo else ""
         logprobs = body.top_logprobs_count() is not None
         self.choices = [Choice(i, kind, tools=names, logprobs=logprobs, echo=echo) for i in range(len(jobs))]
