@@ -6,12 +6,20 @@ lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a non-escaping 
 the special tokens as variables, so prompts are the same string `apply_chat_template` makes.
 `TextCodec` wraps tokenizer.json via the `tokenizers` library. Templates come from model files,
 which are untrusted input: the sandbox keeps them from reaching Python internals.
+
+Tools: the template receives the OpenAI `tools`, assistant messages with `tool_calls` (arguments
+as objects, as HF templates expect) and `tool` messages, where it renders them; what it does
+not render (probed once per template) is written into the conversation as text in the Hermes
+format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the tools in the system
+message), the format the agent's tool-call grammar and parser use for every model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -23,8 +31,48 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from deployer.agent.engines.base import ChatMessage
+from deployer.agent.engines.base import ChatMessage, ToolCall
 from deployer.errors import AgentError, FormatError
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+# Fill-in-the-middle tokens (prefix, suffix, middle) of the model families that have them.
+FIM_TOKENS = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SmolLM
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, DeepSeek
+)
+_PROBE_NAME = "sits_probe_function"
+_PROBE_RESULT = "sits_probe_result"
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": _PROBE_NAME, "description": "", "parameters": {"type": "object"}},
+}
+_PROBE_CALL = ToolCall(id="call_probe", name=_PROBE_NAME, arguments="{}")
+
+
+def tool_call_frame(name: str) -> tuple[str, str]:
+    """The text around a call's arguments: `<tool_call>\n{"name": NAME, "arguments": ` before,
+    `}\n</tool_call>` after."""
+    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ', f"}}\n{TOOL_CALL_CLOSE}"
+
+
+def tool_call_text(call: ToolCall) -> str:
+    """A call as the model writes it."""
+    before, after = tool_call_frame(call.name)
+    return before + (call.arguments.strip() or "{}") + after
+
+
+def tools_prompt(tools: Sequence[dict]) -> str:
+    """The tools and the call format, for templates that do not render tools themselves (the
+    Hermes format's wording, shortened: small models have small contexts)."""
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False, separators=(",", ":")) for tool in tools)
+    before, after = tool_call_frame("<function-name>")
+    example = before.replace('"<function-name>"', "<function-name>") + "<args-json-object>" + after
+    return (
+        f"You may call functions. Their signatures:\n<tools>\n{listed}\n</tools>\n"
+        f"To call one, answer with:\n{example}"
+    )
+
 
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -137,19 +185,99 @@ class ChatTemplate:
         selected = _select_template(source, config_path)
         return None if selected is None else cls(selected, special_tokens(config), config_path)
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`. Raises AgentError when the template refuses them."""
-        plain = [{"role": m.role, "content": m.content} for m in messages]
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+    ) -> str:
+        """The prompt text for `messages` and the `tools` the model may call. Raises AgentError when
+        the template refuses them."""
+        caps = self.capabilities
+        messages = list(messages)
+        if tools and not caps.tools:
+            messages = _with_system_text(messages, tools_prompt(tools))
+        plain = [_template_message(m, caps) for m in messages]
         try:
-            return self._template.render(
-                messages=plain,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self._variables,
-            )
-        except jinja2.exceptions.TemplateError as exc:
+            return self._render(plain, list(tools) if tools and caps.tools else None, add_generation_prompt)
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError) as exc:
+            # TypeError: a template doing arithmetic on what it did not expect (None content, say).
             raise AgentError(f"{self._where}: the chat template rejected the messages: {exc}") from exc
+
+    def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return self._template.render(
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self._variables,
+        )
+
+    @functools.cached_property
+    def capabilities(self) -> TemplateCapabilities:
+        """What of the tool conversation this template renders itself (probed by rendering)."""
+        user = {"role": "user", "content": "x"}
+        tools = _PROBE_NAME in self._probe([user], [_PROBE_TOOL])
+        call = ChatMessage("assistant", "", tool_calls=(_PROBE_CALL,))
+        native = _template_message(call, TemplateCapabilities(tool_calls=True))
+        tool_calls = _PROBE_NAME in self._probe([user, native], None)
+        caps = TemplateCapabilities(tools=tools, tool_calls=tool_calls)
+        answer = {"role": "tool", "content": _PROBE_RESULT, "tool_call_id": _PROBE_CALL.id}
+        rendered = self._probe([user, _template_message(call, caps), answer], None)
+        return dataclasses.replace(caps, tool_role=_PROBE_RESULT in rendered)
+
+    def _probe(self, messages: list[dict], tools: list[dict] | None) -> str:
+        try:
+            return self._render(messages, tools, add_generation_prompt=True)
+        except Exception:  # any refusal means "not supported"; the template is the model's, not ours
+            return ""
+
+
+@dataclass(frozen=True)
+class TemplateCapabilities:
+    """Which parts of a tool conversation a chat template renders itself."""
+
+    tools: bool = False  # the `tools` variable
+    tool_calls: bool = False  # assistant messages' `tool_calls`
+    tool_role: bool = False  # messages of role "tool"
+
+
+def _template_message(message: ChatMessage, caps: TemplateCapabilities) -> dict:
+    """A message as the template gets it; what it cannot render becomes text in the Hermes format."""
+    if message.role == "tool" and not caps.tool_role:
+        return {"role": "user", "content": f"<tool_response>\n{message.content}\n</tool_response>"}
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.role == "tool":
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls and caps.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments(call.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    elif message.tool_calls:
+        calls = "\n".join(tool_call_text(call) for call in message.tool_calls)
+        out["content"] = f"{message.content}\n{calls}" if message.content else calls
+    return out
+
+
+def _arguments(text: str) -> Any:
+    """A call's JSON arguments as an object (HF templates write them with `tojson`)."""
+    try:
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        return text
+
+
+def _with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage]:
+    """`text` appended to the system message (a system message with it first when there is none)."""
+    if messages and messages[0].role == "system":
+        first = messages[0]
+        return [dataclasses.replace(first, content=f"{first.content}\n\n{text}"), *messages[1:]]
+    return [ChatMessage("system", text), *messages]
 
 
 def read_tokenizer_config(directory: Path) -> dict[str, Any]:
@@ -193,8 +321,28 @@ class TextCodec:
         """The id of a single token's text, if the vocabulary has it."""
         return self.tokenizer.token_to_id(text)
 
+    def to_json(self) -> str:
+        """tokenizer.json's text (what llguidance reads the vocabulary from)."""
+        return self.tokenizer.to_str()
+
     def eos_ids(self, tokenizer_config: dict[str, Any]) -> set[int]:
         """The id of tokenizer_config's eos_token, as a set (empty when it has none)."""
         text = _token_text(tokenizer_config.get("eos_token"))
         token = None if text is None else self.token_id(text)
         return set() if token is None else {token}
+
+
+def infill_prompt(
+    token_id: Callable[[str], int | None], encode: Callable[[str], list[int]], prefix: str, suffix: str
+) -> list[int]:
+    """The prefix-suffix-middle prompt for filling in between `prefix` and `suffix`, with the first
+    set of FIM_TOKENS that the vocabulary has (`token_id`: a special token's id or None; `encode`:
+    plain text to ids). AgentError when it has none."""
+    for names in FIM_TOKENS:
+        pre, suf, mid = (token_id(name) for name in names)
+        if pre is not None and suf is not None and mid is not None:
+            return [pre, *encode(prefix), suf, *encode(suffix), mid]
+    raise AgentError(
+        "this model has no fill-in-the-middle tokens, so `suffix` cannot be honoured",
+        hint="send the prompt without `suffix`",
+    )

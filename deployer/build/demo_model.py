@@ -128,10 +128,12 @@ def make_tiny_checkpoint(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     vocab_corpus: str | None = None,
+    extra_special_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Write a seeded tiny Llama checkpoint (fp32 safetensors) with a trained BPE tokenizer.
 
     Deterministic for a given seed: same files, same bytes. Used by fast unit tests.
+    `extra_special_tokens` (e.g. fill-in-the-middle tokens) join the chat's special tokens.
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -142,7 +144,7 @@ def make_tiny_checkpoint(
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special_tokens]
     trainer = trainers.BpeTrainer(
         vocab_size=384,
         special_tokens=specials,

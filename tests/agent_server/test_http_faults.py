@@ -67,7 +67,7 @@ def test_keep_alive_survives_refused_requests_with_bodies(agent, chat_body):
     sock = _connect(agent.port)
     body = json.dumps(chat_body()).encode()
     refused = [
-        (_request("POST", "/v1/embeddings", body), 404),
+        (_request("POST", "/v1/audio/speech", body), 404),
         (_request("POST", "/admin/reload", b'{"version": "v1"}'), 403),
         (_request("POST", "/v1/chat/completions", b"x" * (LIMIT + 100)), 413),
         (_request("DELETE", "/v1/chat/completions", body), 405),

@@ -1,4 +1,5 @@
-"""Request parsing: what OpenAI clients send is accepted, anything else is refused by name."""
+"""Request parsing: what OpenAI clients send is accepted (unknown fields ignored and reported),
+what cannot be honoured is refused by name."""
 
 import pytest
 
@@ -7,6 +8,7 @@ from deployer.agent.http.openai_schemas import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    ignored_fields,
     parse_request,
 )
 
@@ -26,12 +28,28 @@ def test_chat_request_maps_to_sampling_params():
             seed=3,
             stream=True,
             stream_options={"include_usage": True},
+            presence_penalty=0.5,
+            frequency_penalty=-1,
+            logit_bias={"12": -100, "3": 5},
+            logprobs=True,
+            top_logprobs=4,
         ),
     )
-    params = request.sampling(request.requested_max_tokens())
+    params = request.sampling(request.requested_max_tokens(), "grammar")
     assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (7, 0.5, 0.9, 3)
     assert params.stop == ("\n",)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1)
+    assert params.logit_bias == ((3, 5.0), (12, -100.0))
+    assert (params.logprobs, params.grammar) == (4, "grammar")
     assert request.include_usage()
+    assert parse_request(ChatCompletionRequest, _chat(top_logprobs=3)).top_logprobs_count() is None
+
+
+def test_unknown_fields_are_ignored_and_named():
+    body = _chat(store=True, metadata={"a": "b"}, frequency_penalty=0)
+    body["messages"][0]["refusal"] = None
+    request = parse_request(ChatCompletionRequest, body)
+    assert ignored_fields(request) == ["messages[].refusal", "metadata", "store"]
 
 
 def test_content_parts_and_developer_role():
@@ -60,16 +78,31 @@ def test_max_completion_tokens_wins_and_completions_default_is_16():
 @pytest.mark.parametrize(
     ("body", "code", "param"),
     [
-        (_chat(frequency_penalty=0.5), "unknown_parameter", "frequency_penalty"),
         ({"model": "m"}, "missing_parameter", "messages"),
         (_chat(temperature=3), "invalid_value", "temperature"),
-        (_chat(n=2), "invalid_value", "n"),
+        (_chat(n=0), "invalid_value", "n"),
         (_chat(stop=["a", "b", "c", "d", "e"]), "invalid_value", "stop.str"),
+        (_chat(top_logprobs=21, logprobs=True), "invalid_value", "top_logprobs"),
+        (_chat(frequency_penalty=2.5), "invalid_value", "frequency_penalty"),
+        (_chat(logit_bias={"x": 1}), "invalid_value", "logit_bias"),
+        (_chat(modalities=["text", "audio"]), "unsupported_parameter", "modalities"),
+        (_chat(functions=[{"name": "f"}]), "unsupported_parameter", "functions"),
         (
-            {"model": "m", "messages": [{"role": "user", "content": "x", "extra": 1}]},
-            "unknown_parameter",
-            "messages.0.extra",
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "unsupported_value",
+            "messages.0.content",
         ),
+        (_chat(tool_choice="required"), "invalid_value", "tool_choice"),
+        (
+            _chat(
+                tools=[{"type": "function", "function": {"name": "a"}}],
+                tool_choice={"type": "function", "function": {"name": "b"}},
+            ),
+            "invalid_value",
+            "tool_choice",
+        ),
+        (_chat(tools=[{"type": "function", "function": {"name": "has space"}}]), "invalid_value", "tools"),
+        (_chat(response_format={"type": "xml"}), "unsupported_value", "response_format"),
     ],
 )
 def test_refusals_name_the_parameter(body, code, param):

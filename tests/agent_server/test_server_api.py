@@ -142,3 +142,21 @@ def test_health_ready_and_metrics(agent, client, model_name, http, wait_until):
     assert samples[("sits_requests_running", ())] == 0
     assert samples[("sits_generation_tokens_total", ())] >= 1
     assert samples[("process_resident_memory_bytes", ())] > 0  # process metrics come along
+
+
+def test_suffix_fills_in_the_middle_where_the_model_has_fim_tokens(start_agent, tmp_path):
+    from deployer.agent.chat import TextCodec
+    from deployer.build.demo_model import make_tiny_checkpoint
+
+    fim = make_tiny_checkpoint(
+        tmp_path / "fim", extra_special_tokens=("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+    )
+    agent = start_agent(load=False)
+    assert agent.reload(fim, "v1").ok
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{agent.port}/v1", api_key="unused", max_retries=0)
+    answer = client.completions.create(model="fim", prompt="def f(", suffix="):", max_tokens=3, temperature=0)
+    codec = TextCodec.from_dir(fim)
+    pre, suf, mid = (codec.token_id(t) for t in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+    prefix, suffix = (codec.encode(text, add_special_tokens=False) for text in ("def f(", "):"))
+    assert answer.usage.prompt_tokens == len([pre, *prefix, suf, *suffix, mid])
+    assert answer.usage.completion_tokens >= 1

@@ -17,17 +17,38 @@ from deployer.errors import AgentError
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the assistant made: `arguments` is the JSON text of the call's arguments."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class ChatMessage:
-    """One message of a conversation, as the OpenAI API sends it."""
+    """One message of a conversation, as the OpenAI API sends it: an assistant message may carry
+    the tool calls it made, a "tool" message answers the call `tool_call_id`."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 means greedy; `seed` makes sampling repeatable;
-    top_k 0 keeps every token."""
+    top_k 0 keeps every token.
+
+    The rest change the logits before a token is picked (engines/logits.py does it for both
+    engines): `logit_bias` adds to the named token ids; the OpenAI penalties subtract
+    `presence_penalty` once and `frequency_penalty` per occurrence of each token generated so far,
+    and `repeat_penalty` (llama.cpp's, 1 is off) divides those tokens' positive logits and
+    multiplies their negative ones; `grammar`, an llguidance grammar, allows only the tokens that
+    keep the output inside it. `logprobs` k (0..20) reports each chosen token's log-probability
+    and the k most likely alternatives.
+    """
 
     max_tokens: int = 128
     temperature: float = 1.0
@@ -35,10 +56,29 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
+    logprobs: int | None = None
+
+    @property
+    def processed(self) -> bool:
+        """Whether anything changes the logits or reads them (else the plain sampler runs)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repeat_penalty != 1.0
+            or self.logit_bias
+            or self.grammar is not None
+            or self.logprobs is not None
+        )
 
 
 # Below this temperature sampling is greedy (dividing by ~0 would overflow anyway).
 GREEDY_BELOW = 1e-5
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 
 def check_params(params: SamplingParams) -> None:
@@ -51,6 +91,11 @@ def check_params(params: SamplingParams) -> None:
         raise AgentError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
         raise AgentError(f"top_k must be 0 (off) or a positive number, got {params.top_k}")
+    penalties = (params.presence_penalty, params.frequency_penalty, params.repeat_penalty)
+    if not all(math.isfinite(p) for p in penalties) or params.repeat_penalty <= 0:
+        raise AgentError(f"penalties must be finite (repeat_penalty above 0), got {penalties}")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+        raise AgentError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {params.logprobs}")
 
 
 def token_budget(prompt: Sequence[int], params: SamplingParams, context_length: int) -> int:
@@ -71,12 +116,30 @@ def token_budget(prompt: Sequence[int], params: SamplingParams, context_length: 
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability; `token` is its bytes (a piece of a character, possibly)."""
+
+    token_id: int
+    token: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the most likely tokens at that step, best first."""
+
+    chosen: Logprob
+    top: tuple[Logprob, ...]
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One step of generation: the new text (may be empty mid-character) and, at the end, why."""
 
     token_id: int | None
     text: str
     finish_reason: str | None = None  # None while running; "stop" or "length" on the last event
+    logprobs: TokenLogprobs | None = None  # when SamplingParams.logprobs asked for them
 
 
 @dataclass(frozen=True)
@@ -124,6 +187,11 @@ class Engine(abc.ABC):
         """End the sequence in `slot`; the slot may be prefilled again (its prefix kept for reuse)."""
         raise AgentError(f"the {type(self).__name__} engine has no batched interface")
 
+    def logprobs(self, slot: int) -> TokenLogprobs | None:
+        """The log-probabilities of the token the slot's last prefill or step chose (None unless its
+        SamplingParams asked for logprobs)."""
+        raise AgentError(f"the {type(self).__name__} engine has no batched interface")
+
     def decode(self, ids: list[int]) -> str:
         """Ids to text, special tokens left out (a scheduler streams text through textstream)."""
         raise AgentError(f"the {type(self).__name__} engine does not decode ids")
@@ -142,12 +210,23 @@ class Engine(abc.ABC):
         """Run a short generation so the first real request does not pay one-time costs."""
 
     @abc.abstractmethod
-    def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Format messages with the model's own chat template and tokenize them."""
+    def chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None = None) -> list[int]:
+        """Format messages (and the OpenAI `tools` the model may call) with the model's own chat
+        template and tokenize them."""
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
         """Tokenize plain text (for /v1/completions)."""
+
+    def infill_prompt(self, prefix: str, suffix: str) -> list[int]:
+        """The fill-in-the-middle prompt for text between `prefix` and `suffix`; AgentError when the
+        model has no infill tokens."""
+        raise AgentError(f"the {type(self).__name__} engine cannot fill in the middle")
+
+    def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
+        """Each text's embedding (the mean of the model's last hidden states, L2-normalised) and the
+        number of tokens read."""
+        raise AgentError(f"the {type(self).__name__} engine has no embeddings")
 
     @abc.abstractmethod
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[TokenEvent]:

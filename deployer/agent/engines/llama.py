@@ -381,6 +381,17 @@ class Transformer(nn.Module):
 
         Only the last position's logits are computed unless `all_logits` (tests, perplexity).
         """
+        x = self._blocks(tokens, slot, start)
+        if not all_logits:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))
+
+    def hidden_states(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
+        """The last hidden states [1, T, D] (after the final norm) of tokens [1, T] run from position
+        0 in `slot` (embeddings; the slot's cache then holds these tokens)."""
+        return self.model.norm(self._blocks(tokens, slot, 0))
+
+    def _blocks(self, tokens: torch.Tensor, slot: int, start: int) -> torch.Tensor:
         t = tokens.shape[1]
         if not 0 <= slot < self.slots:
             raise AgentError(f"slot {slot} does not exist (the cache holds {self.slots})")
@@ -397,9 +408,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         for layer in self._layers():
             x = layer.prefill(x, cos, sin, mask, slot, start)
-        if not all_logits:
-            x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))
+        return x
 
     def prefill_fixed(
         self, tokens: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, last: torch.Tensor

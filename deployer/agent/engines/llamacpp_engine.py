@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deployer.agent.chat import ChatTemplate
+from deployer.agent.chat import ChatTemplate, infill_prompt
 from deployer.agent.engines.base import (
     GREEDY_BELOW,
     ChatMessage,
@@ -37,8 +37,10 @@ from deployer.agent.engines.base import (
     EngineInfo,
     SamplingParams,
     TokenEvent,
+    TokenLogprobs,
     token_budget,
 )
+from deployer.agent.engines.logits import TokenProcessor, Vocabulary
 from deployer.agent.engines.textstream import token_events
 from deployer.core.gguf_io import GGUF_FILE, GGUFHeader, read_gguf_header
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
@@ -93,6 +95,7 @@ class _Loaded:
     template: ChatTemplate | None
     end_ids: frozenset[int]
     add_bos: bool
+    vocab: Vocabulary
 
 
 class LlamaCppEngine(Engine):
@@ -105,6 +108,7 @@ class LlamaCppEngine(Engine):
         self._max_context = max_context
         self._threads = threads or len(os.sched_getaffinity(0))
         self._loaded: _Loaded | None = None
+        self._embedder: Any = None  # a llama.cpp context in embedding mode, made on first use
         self._busy = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -141,6 +145,7 @@ class LlamaCppEngine(Engine):
         template = None
         if template_source:
             template = ChatTemplate(template_source, _special_tokens(header), path)
+        end_ids = self._end_ids(llm, header)
         self._loaded = _Loaded(
             llm=llm,
             header=header,
@@ -148,8 +153,9 @@ class LlamaCppEngine(Engine):
             version=version,
             quantization=quantization,
             template=template,
-            end_ids=self._end_ids(llm, header),
+            end_ids=end_ids,
             add_bos=bool(header.metadata.get("tokenizer.ggml.add_bos_token", False)),
+            vocab=self._vocabulary(llm, end_ids),
         )
 
     def _end_ids(self, llm: Any, header: GGUFHeader) -> frozenset[int]:
@@ -159,6 +165,14 @@ class LlamaCppEngine(Engine):
         candidates = {i for i, kind in enumerate(types) if kind in _SPECIAL_TOKEN_TYPES}
         candidates.add(llm.token_eos())
         return frozenset(t for t in candidates if self._llama_cpp.llama_vocab_is_eog(vocab, t))
+
+    def _vocabulary(self, llm: Any, end_ids: frozenset[int]) -> Vocabulary:
+        """The GGUF's vocabulary for llguidance, read through llama.cpp (built on first use)."""
+        from llguidance.llamacpp import lltokenizer_from_vocab
+
+        vocab = self._llama_cpp.llama_model_get_vocab(llm.model)
+        n = llm.n_vocab()
+        return Vocabulary(lambda: lltokenizer_from_vocab(vocab, n_vocab=n, eos_token=sorted(end_ids)), n)
 
     def warmup(self) -> None:
         """A short greedy generation, so buffers and threads are ready for the first request."""
@@ -173,19 +187,23 @@ class LlamaCppEngine(Engine):
         A generation still running keeps its own reference and frees the model when it ends.
         """
         loaded, self._loaded = self._loaded, None
+        embedder, self._embedder = self._embedder, None
+        if embedder is not None:
+            _on_llama_thread(embedder.close)
         if loaded is not None and not self._busy.locked():
             _on_llama_thread(loaded.llm.close)
 
     # -- text ------------------------------------------------------------------------------
 
-    def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Messages formatted with the GGUF's chat template, then tokenized (special tokens parsed)."""
+    def chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None = None) -> list[int]:
+        """Messages (and tools) formatted with the GGUF's chat template, then tokenized (special
+        tokens parsed)."""
         loaded = self._require()
         if loaded.template is None:
             raise AgentError(
                 "this model has no chat template", hint="use /v1/completions with a plain prompt"
             )
-        text = loaded.template.render(messages, add_generation_prompt=True)
+        text = loaded.template.render(messages, add_generation_prompt=True, tools=tools)
         return loaded.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
     def encode(self, text: str) -> list[int]:
@@ -196,6 +214,50 @@ class LlamaCppEngine(Engine):
     def decode(self, ids: list[int]) -> str:
         """Ids to text, special tokens left out (an incomplete character decodes as U+FFFD)."""
         return self._require().llm.detokenize(ids).decode("utf-8", errors="replace")
+
+    def infill_prompt(self, prefix: str, suffix: str) -> list[int]:
+        """The fill-in-the-middle prompt, with the GGUF's FIM tokens (AgentError without)."""
+        llm = self._require().llm
+
+        def special_id(text: str) -> int | None:
+            ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+            return ids[0] if len(ids) == 1 else None
+
+        def plain(text: str) -> list[int]:
+            return llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
+        return infill_prompt(special_id, plain, prefix, suffix)
+
+    def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
+        """Mean-pooled, L2-normalised embeddings by llama.cpp; see Engine.embed.
+
+        A second llama.cpp context in embedding mode (made on first use) maps the same GGUF, so
+        the weights are shared and generation's cache is left alone."""
+        loaded = self._require()
+        if self._embedder is None:
+            n_ctx = loaded.llm.n_ctx()
+            self._embedder = _on_llama_thread(
+                self._llama_cpp.Llama,
+                model_path=str(loaded.header.path),
+                embedding=True,
+                pooling_type=self._llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+                n_ctx=n_ctx,
+                n_batch=n_ctx,
+                n_ubatch=n_ctx,
+                n_threads=self._threads,
+                n_threads_batch=self._threads,
+                use_mmap=True,
+                verbose=False,
+            )
+        if any(not text for text in texts):
+            raise AgentError("an input is empty; embeddings need at least one token")
+        try:
+            vectors, count = _on_llama_thread(
+                self._embedder.embed, list(texts), normalize=True, truncate=False, return_count=True
+            )
+        except ValueError as exc:  # an input longer than the context
+            raise AgentError(f"cannot embed the input: {exc}") from exc
+        return [list(map(float, v)) for v in vectors], int(count)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -217,21 +279,26 @@ class LlamaCppEngine(Engine):
             # A fresh seed when none is asked for: the last request's must not repeat its answers.
             loaded.llm.set_seed(secrets.randbits(31) if params.seed is None else params.seed % 2**32)
             greedy = params.temperature < GREEDY_BELOW
-            # top_k 0 and min_p 0 switch those samplers off: OpenAI's API has neither.
+            processor = TokenProcessor(params, loaded.vocab) if params.processed else None
+            # top_k 0 and min_p 0 switch those samplers off: OpenAI's API has neither. Penalties and
+            # bias are our processor's (the same as the torch engine's), llama.cpp's are off.
             tokens = loaded.llm.generate(
                 prompt,
-                top_k=0,
+                top_k=params.top_k,
                 top_p=params.top_p,
                 min_p=0.0,
                 temp=0.0 if greedy else params.temperature,
                 repeat_penalty=1.0,
+                logits_processor=None if processor is None else [lambda _ids, row: processor.process(row)],
             )
+            picked = _Picked(processor)
             yield from token_events(
-                _advanced_on_llama_thread(tokens),
+                picked.follow(_advanced_on_llama_thread(tokens)),
                 self._decoder(loaded),
                 stops=params.stop,
                 end_ids=loaded.end_ids,
                 budget=budget,
+                logprobs=(lambda: picked.logprobs) if params.logprobs is not None else None,
             )
         finally:
             if tokens is not None:
@@ -270,6 +337,22 @@ class LlamaCppEngine(Engine):
         if self._loaded is None:
             raise AgentError("no model is loaded in this engine", hint="call load() first")
         return self._loaded
+
+
+class _Picked:
+    """Hands each token llama.cpp picked to the request's processor (penalty counts, grammar state)
+    before the next one is computed, keeping its logprobs."""
+
+    def __init__(self, processor: TokenProcessor | None) -> None:
+        self._processor = processor
+        self.logprobs: TokenLogprobs | None = None
+
+    def follow(self, tokens: Iterator[int]) -> Iterator[int]:
+        """`tokens`, each accepted by the processor as it passes."""
+        for token in tokens:
+            if self._processor is not None:
+                self.logprobs = self._processor.accept(token)
+            yield token
 
 
 def _facts(artifact_dir: Path, header: GGUFHeader) -> tuple[str, str, str]:

@@ -1,6 +1,10 @@
 """Picking the next token from logits on the device that made them: greedy, temperature, top-k,
 nucleus (top-p), each request with its own seeded generator.
 
+A request with logit processing (bias, penalties, a grammar, logprobs: engines/logits.py) has its
+row copied to the host, processed, and put back before the pick; the other rows never leave the
+device.
+
 Nothing sorts the whole vocabulary: top-p looks at the `TOP_P_CANDIDATES` most likely tokens
 (found with `topk`), and only when their mass falls short of top_p, which real distributions
 almost never do, at the rest. Only the chosen ids cross to the host, once per step for a batch.
@@ -17,7 +21,8 @@ import torch
 
 # Re-exported: the parameter checks live beside SamplingParams, free of torch (the llama.cpp engine
 # uses them without importing torch).
-from deployer.agent.engines.base import GREEDY_BELOW, SamplingParams
+from deployer.agent.engines.base import GREEDY_BELOW, SamplingParams, TokenLogprobs
+from deployer.agent.engines.logits import TokenProcessor
 
 __all__ = ["Sampler", "choose", "new_generator", "pick_token"]
 
@@ -32,10 +37,13 @@ def new_generator(seed: int | None, device: torch.device | str = "cpu") -> torch
 
 @dataclass
 class Sampler:
-    """One request's sampling: its parameters and its own generator."""
+    """One request's sampling: its parameters, its own generator, its logit processing (None when
+    it has none) and the logprobs of the token it picked last."""
 
     params: SamplingParams
     generator: torch.Generator
+    processor: TokenProcessor | None = None
+    logprobs: TokenLogprobs | None = None
 
     @property
     def greedy(self) -> bool:
@@ -76,7 +84,22 @@ def _draw_sorted(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 
 def choose(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
-    """One token id per row of logits [B, V], row i under samplers[i]; one transfer to the host."""
+    """One token id per row of logits [B, V], row i under samplers[i]; one transfer to the host
+    (plus one per processed row)."""
+    processed = [(i, s.processor) for i, s in enumerate(samplers) if s.processor is not None]
+    if processed:
+        # Rows are replaced in place: these logits are this step's alone (a copy unless fp32).
+        logits = logits.float()
+        for i, processor in processed:
+            row = processor.process(logits[i].cpu().numpy())
+            logits[i] = torch.from_numpy(row).to(logits.device)
+    out = _pick(logits, samplers)
+    for i, processor in processed:
+        samplers[i].logprobs = processor.accept(out[i])
+    return out
+
+
+def _pick(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
     ids = logits.argmax(dim=-1)
     sampled = [(i, s) for i, s in enumerate(samplers) if not s.greedy]
     if not sampled:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
-from deployer.agent.engines.base import TokenEvent
+from deployer.agent.engines.base import TokenEvent, TokenLogprobs
 
 REPLACEMENT = "\ufffd"
 
@@ -105,22 +105,26 @@ def token_events(
     stops: Sequence[str],
     end_ids: Collection[int],
     budget: int,
+    logprobs: Callable[[], TokenLogprobs | None] | None = None,
 ) -> Iterator[TokenEvent]:
     """Turn generated token ids into events: text deltas, the last one with its finish reason.
 
     An end-of-generation id or a completed stop string ends with "stop", the `budget`-th token
     with "length". Stops pulling from `tokens` as soon as it ends, so no token is computed in vain.
+    `logprobs`, called after each token is pulled, gives that token's log-probabilities (an end id,
+    which is no part of the text, gets none).
     """
     decoder, stopper = IncrementalDecoder(decode), StopMatcher(stops)
     for step, token in enumerate(tokens):
         if token in end_ids:
             yield TokenEvent(token, final_text(decoder, stopper), "stop")
             return
+        lp = logprobs() if logprobs is not None else None
         text, stopped = stopper.feed(decoder.push(token))
         if stopped:
-            yield TokenEvent(token, text, "stop")
+            yield TokenEvent(token, text, "stop", lp)
             return
         if step == budget - 1:
-            yield TokenEvent(token, text + final_text(decoder, stopper), "length")
+            yield TokenEvent(token, text + final_text(decoder, stopper), "length", lp)
             return
-        yield TokenEvent(token, text)
+        yield TokenEvent(token, text, logprobs=lp)

@@ -20,19 +20,22 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from llguidance import LLTokenizer
 from torch import nn
 
-from deployer.agent.chat import ChatTemplate, TextCodec, read_tokenizer_config
+from deployer.agent.chat import ChatTemplate, TextCodec, infill_prompt, read_tokenizer_config
 from deployer.agent.engines.base import (
     ChatMessage,
     Engine,
     EngineInfo,
     SamplingParams,
     TokenEvent,
+    TokenLogprobs,
     token_budget,
 )
 from deployer.agent.engines.llama import as_token_ids
 from deployer.agent.engines.loader import LoadedModel, load_model, read_json
+from deployer.agent.engines.logits import TokenProcessor, Vocabulary
 from deployer.agent.engines.qlinear import KERNEL_LINEAR
 from deployer.agent.engines.sampling import Sampler, choose, new_generator
 from deployer.agent.engines.textstream import token_events
@@ -145,6 +148,7 @@ class TorchEngine(Engine):
         self._loaded: LoadedModel | None = None
         self._codec: TextCodec | None = None
         self._template: ChatTemplate | None = None
+        self._vocab: Vocabulary | None = None
         self._eos: frozenset[int] = frozenset()
         self._busy = threading.Lock()
         self._state: list[_Slot] = []
@@ -173,6 +177,7 @@ class TorchEngine(Engine):
             set(loaded.args.eos_token_ids) | _generation_eos(artifact_dir) | codec.eos_ids(tok_config)
         )
         self._codec = codec
+        self._vocab = _vocabulary(codec, loaded.args.vocab_size, self._eos)
         self.attach(loaded)
 
     def attach(self, loaded: LoadedModel) -> None:
@@ -205,7 +210,7 @@ class TorchEngine(Engine):
 
         A generation still running keeps its own reference and frees the model when it ends.
         """
-        self._loaded = self._codec = self._template = None
+        self._loaded = self._codec = self._template = self._vocab = None
         self._decode, self._io, self._state = _Decode(), None, []
         gc.collect()
         if self._device.startswith("cuda"):
@@ -213,15 +218,15 @@ class TorchEngine(Engine):
 
     # -- text ------------------------------------------------------------------------------
 
-    def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Messages formatted with the model's chat template, then tokenized."""
-        self._require_text()
+    def chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None = None) -> list[int]:
+        """Messages (and tools) formatted with the model's chat template, then tokenized."""
+        codec = self._require_text()
         if self._template is None:
             raise AgentError(
                 "this model has no chat template", hint="use /v1/completions with a plain prompt"
             )
-        text = self._template.render(messages, add_generation_prompt=True)
-        return self._require_text().encode(text, add_special_tokens=False)
+        text = self._template.render(messages, add_generation_prompt=True, tools=tools)
+        return codec.encode(text, add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids, with the tokenizer's own special tokens (e.g. BOS) if it adds any."""
@@ -230,6 +235,34 @@ class TorchEngine(Engine):
     def decode(self, ids: list[int]) -> str:
         """Ids to text, special tokens left out."""
         return self._require_text().decode(ids)
+
+    def infill_prompt(self, prefix: str, suffix: str) -> list[int]:
+        """The fill-in-the-middle prompt, with the tokenizer's FIM tokens (AgentError without)."""
+        codec = self._require_text()
+        return infill_prompt(
+            codec.token_id, lambda text: codec.encode(text, add_special_tokens=False), prefix, suffix
+        )
+
+    @torch.inference_mode()
+    def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
+        """Mean of the last hidden states over each text's tokens, L2-normalised; see Engine.embed.
+
+        Runs in a slot no sequence is using (AgentError when every one is generating)."""
+        loaded, codec = self._require(), self._require_text()
+        free = next((i for i, state in enumerate(self._state) if state.last is None), None)
+        if free is None:
+            raise AgentError("every slot is generating; no room to embed", hint="retry shortly")
+        vectors, count = [], 0
+        for text in texts:
+            ids = codec.encode(text, add_special_tokens=True)
+            if not ids or len(ids) > loaded.model.max_len:
+                raise AgentError(f"an input has {len(ids)} tokens; embeddings take 1..{loaded.model.max_len}")
+            tokens = torch.tensor([ids], dtype=torch.long, device=loaded.device)
+            mean = loaded.model.hidden_states(tokens, free)[0].float().mean(dim=0)
+            vectors.append((mean / mean.norm().clamp_min(1e-12)).cpu().tolist())
+            count += len(ids)
+        self._state[free] = _Slot()  # its cache holds the inputs now, no prefix worth reusing
+        return vectors, count
 
     @property
     def end_ids(self) -> frozenset[int]:
@@ -254,7 +287,7 @@ class TorchEngine(Engine):
         # At least the last prompt token runs: its logits give the first new token.
         start = min(common_prefix(state.held, prompt), len(prompt) - 1)
         logits = self._run_prompt(loaded, slot, prompt, start)
-        sampler = Sampler(params, new_generator(params.seed, loaded.device))
+        sampler = Sampler(params, new_generator(params.seed, loaded.device), self._processor(params))
         token = choose(logits, [sampler])[0]
         self._reused += start
         state.held, state.last, state.sampler = prompt, token, sampler
@@ -338,6 +371,21 @@ class TorchEngine(Engine):
         state = self._slot(slot)
         state.last = state.sampler = None
 
+    def logprobs(self, slot: int) -> TokenLogprobs | None:
+        """See Engine.logprobs."""
+        sampler = self._slot(slot).sampler
+        return None if sampler is None else sampler.logprobs
+
+    def _processor(self, params: SamplingParams) -> TokenProcessor | None:
+        if not params.processed:
+            return None
+        if self._vocab is None:
+            raise AgentError(
+                "logit processing (bias, penalties, grammars, logprobs) needs the model's tokenizer",
+                hint="load the model with load()",
+            )
+        return TokenProcessor(params, self._vocab)
+
     def _slot(self, slot: int) -> _Slot:
         self._require()
         if not isinstance(slot, int) or not 0 <= slot < self._slots:
@@ -364,6 +412,7 @@ class TorchEngine(Engine):
                 stops=params.stop,
                 end_ids=self._eos,
                 budget=budget,
+                logprobs=(lambda: self.logprobs(0)) if params.logprobs is not None else None,
             )
         finally:
             if self._loaded is not None:
@@ -577,6 +626,12 @@ def _capture(run: Callable[[], torch.Tensor], pool: _POOL_HANDLE, stream: torch.
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _vocabulary(codec: TextCodec, n_logits: int, end_ids: frozenset[int]) -> Vocabulary:
+    """The model's vocabulary for llguidance, from tokenizer.json (built on first use)."""
+    size = max(n_logits, codec.tokenizer.get_vocab_size(with_added_tokens=True))
+    return Vocabulary(lambda: LLTokenizer(codec.to_json(), n_vocab=size, eos_token=sorted(end_ids)), n_logits)
 
 
 def _generation_eos(directory: Path) -> set[int]:

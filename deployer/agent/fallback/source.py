@@ -52,7 +52,7 @@ __all__ = ["FallbackSource", "read_api_key"]
 
 _log = logging.getLogger("sits.agent")
 
-# The source's refusals (codes of generate._api_error) that a trigger covers.
+# The source's refusals (codes of generate.api_error) that a trigger covers.
 _TRIGGERED_BY = {
     "model_unavailable": "not_ready",
     "overloaded": "overloaded",
@@ -254,7 +254,10 @@ class FallbackSource:
         request = job.request
         if request is None:
             return SamplingParams(max_tokens=self._max_tokens)
-        return request.sampling(min(request.requested_max_tokens() or self._max_tokens, self._max_tokens))
+        # No grammar: the upstream enforces the request's own constraints, and it is sent only text.
+        return request.sampling(
+            min(request.requested_max_tokens() or self._max_tokens, self._max_tokens), None
+        )
 
     # -- bookkeeping ------------------------------------------------------------------------------
 

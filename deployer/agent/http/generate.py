@@ -31,9 +31,10 @@ from deployer.agent.http.admission import Admission, Overloaded, QueueTimeout
 from deployer.agent.http.openai_schemas import ApiError, ChatCompletionRequest, CompletionRequest
 from deployer.agent.http.timing import ServiceTimes
 from deployer.agent.notify import lifecycle_event
-from deployer.errors import SitsError
+from deployer.errors import AgentError, SitsError
 
 __all__ = [
+    "QUEUE_EVENTS",
     "Cancelled",
     "EdgeStatus",
     "Generation",
@@ -44,6 +45,7 @@ __all__ = [
     "SlotTokenSource",
     "Started",
     "TokenSource",
+    "api_error",
 ]
 
 QUEUE_EVENTS = 64  # token events buffered per request between the engine and the client
@@ -51,9 +53,9 @@ QUEUE_EVENTS = 64  # token events buffered per request between the engine and th
 
 @dataclass(frozen=True)
 class Job:
-    """One generation the HTTP layer asks for: chat messages or plain text, and how to turn the
-    tokenized prompt's length and the model into sampling parameters (raises ApiError 400 when the
-    request cannot fit)."""
+    """One generation the HTTP layer asks for: chat messages (with the tools the model may call) or
+    plain text (with the `suffix` to fill in before), and how to turn the tokenized prompt's length
+    and the model into sampling parameters (raises ApiError 400 when the request cannot fit)."""
 
     messages: tuple[ChatMessage, ...] | None
     text: str | None
@@ -61,6 +63,8 @@ class Job:
     timeout_s: float
     request: ChatCompletionRequest | CompletionRequest | None = None  # as the client sent it
     fallback: bool = True  # False: the device's own model answers (`x-sits-fallback: off`)
+    tools: tuple[dict, ...] | None = None
+    suffix: str | None = None
 
     def prompt_chars(self) -> int:
         """The prompt's length in characters (what a load estimate has before tokenizing)."""
@@ -289,7 +293,7 @@ class SlotTokenSource:
                         self._times.add(began, first, time.monotonic(), job.prompt_chars(), tokens)
                 generation.put(_END)
         except BaseException as exc:
-            generation.put(_api_error(exc))
+            generation.put(api_error(exc))
         finally:
             with self._live_lock:
                 self._live.discard(generation)
@@ -297,11 +301,16 @@ class SlotTokenSource:
 
 def _tokenize(engine: Engine, job: Job) -> list[int]:
     if job.messages is not None:
-        return engine.chat_prompt(list(job.messages))
+        return engine.chat_prompt(list(job.messages), tools=job.tools)
+    if job.suffix is not None:
+        try:
+            return engine.infill_prompt(job.text or "", job.suffix)
+        except AgentError as exc:
+            raise ApiError(400, exc.message, param="suffix", code="unsupported_parameter") from exc
     return engine.encode(job.text or "")
 
 
-def _api_error(exc: BaseException) -> BaseException:
+def api_error(exc: BaseException) -> BaseException:
     """The ApiError a failure of the worker answers as."""
     if isinstance(exc, ApiError):
         return exc

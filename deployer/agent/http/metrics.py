@@ -7,6 +7,8 @@ a soak test and an operator look at first.
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -26,6 +28,9 @@ disable_created_metrics()
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Latency buckets in seconds, from a fast first token on a GPU to a long answer on a small CPU.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Ignored request fields get a series each up to this many names (clients choose the names, so
+# they must not grow /metrics without bound); the rest count as "other".
+IGNORED_FIELD_NAMES = 64
 
 
 class AgentMetrics:
@@ -81,6 +86,15 @@ class AgentMetrics:
             ("reason",),
             registry=r,
         )
+        self.ignored_fields = Counter(
+            "sits_ignored_request_fields",
+            "Request fields the agent does not use and ignored, by name (`other` past the first "
+            f"{IGNORED_FIELD_NAMES} names).",
+            ("field",),
+            registry=r,
+        )
+        self._ignored_names: set[str] = set()
+        self._ignored_lock = threading.Lock()
         self.connections = Gauge("sits_http_connections", "Open HTTP connections.", registry=r)
         self.connections_closed = Counter(
             "sits_http_connections_closed",
@@ -89,6 +103,16 @@ class AgentMetrics:
             ("reason",),
             registry=r,
         )
+
+    def ignored_field(self, name: str) -> bool:
+        """Count one ignored request field; True the first time this name is seen (log it then)."""
+        with self._ignored_lock:
+            new = name not in self._ignored_names and len(self._ignored_names) < IGNORED_FIELD_NAMES
+            if new:
+                self._ignored_names.add(name)
+            known = name in self._ignored_names
+        self.ignored_fields.labels(field=name if known else "other").inc()
+        return new
 
     def render(self) -> bytes:
         """The /metrics body in the text exposition format."""

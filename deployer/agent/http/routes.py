@@ -10,34 +10,47 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Protocol
 
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployer.agent.engines.base import EngineInfo, SamplingParams, TokenEvent
 from deployer.agent.hotswap import ModelManager, SwapResult
+from deployer.agent.http.admission import Admission
 from deployer.agent.http.auth import KeyRing
-from deployer.agent.http.generate import Cancelled, Generation, Job, Metered, ServedBy, TokenSource
+from deployer.agent.http.choices import Choice, Kind, envelope
+from deployer.agent.http.constraints import grammar_for
+from deployer.agent.http.embeddings import embed, embedding_body
+from deployer.agent.http.generate import (
+    QUEUE_EVENTS,
+    Cancelled,
+    Generation,
+    Job,
+    Metered,
+    ServedBy,
+    TokenSource,
+)
 from deployer.agent.http.metrics import CONTENT_TYPE, AgentMetrics
 from deployer.agent.http.openai_schemas import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_chunk,
-    chat_response,
-    completion_chunk,
-    completion_response,
+    EmbeddingRequest,
+    ignored_fields,
     new_id,
     parse_request,
     usage,
@@ -57,9 +70,10 @@ __all__ = [
 ]
 
 _log = logging.getLogger("sits.agent")
-Kind = Literal["chat", "completion"]
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # never behind a key: probes and load balancers
-API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics", *OPEN_PATHS})
+API_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/metrics", *OPEN_PATHS}
+)
 GONE = 499  # nginx's "client closed request", as counted in sits_requests_total
 
 
@@ -69,6 +83,7 @@ class AgentApp(Protocol):
     settings: AgentSettings
     metrics: AgentMetrics
     manager: ModelManager
+    admission: Admission
     source: TokenSource
     store: DeviceStore
     keyring: KeyRing
@@ -108,7 +123,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
     path = request.url.path
     if exc.status_code == 405:
         error = ApiError(
-            405, f"{request.method} is not allowed on {path}", code="method_not_allowed", headers=exc.headers
+            405,
+            f"{request.method} is not allowed on {path}",
+            code="method_not_allowed",
+            headers=dict(exc.headers or {}),
         )
     else:
         error = ApiError(exc.status_code, f"no route {request.method} {path}", code="not_found")
@@ -132,9 +150,10 @@ class _Counted:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope["sits"] = holder = {}
+        holder: dict[str, int] = {}
+        scope["sits"] = holder
 
-        async def counting_send(message: dict) -> None:
+        async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 holder.setdefault("status", message["status"])
             await send(message)
@@ -245,8 +264,8 @@ def info_routes(server: AgentApp) -> list[Route]:
     async def metrics(request: Request) -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def models(request: Request) -> Response:
-        entries = [
+    def entries() -> list[dict]:
+        return [
             _model_entry(info, status)
             for info, status in (
                 (server.manager.active_info(), "active"),
@@ -254,19 +273,50 @@ def info_routes(server: AgentApp) -> list[Route]:
             )
             if info is not None
         ]
-        return JSONResponse({"object": "list", "data": entries})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": entries()})
+
+    async def model(request: Request) -> Response:
+        wanted = request.path_params["model"]
+        listed = entries()
+        # The bare name is the active model's (the one a request of that name gets).
+        found = [e for e in listed if wanted == e["id"]] or [
+            e for e in listed if e["status"] == "active" and wanted == e["id"].rsplit("@", 1)[0]
+        ]
+        if not found:
+            raise ApiError(
+                404,
+                f"the model {wanted!r} does not exist here; GET /v1/models lists those that do",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(found[0])
 
     return [
         Route("/healthz", endpoint(healthz)),
         Route("/readyz", endpoint(readyz)),
         Route("/metrics", endpoint(metrics)),
         Route("/v1/models", endpoint(models)),
+        Route("/v1/models/{model:path}", endpoint(model)),
     ]
 
 
 def model_id(info: EngineInfo) -> str:
     """The id /v1/models lists and responses carry: `<model>@<version>`."""
     return f"{info.model}@{info.version}"
+
+
+def check_model(name: str, info: EngineInfo) -> None:
+    """ApiError 404 unless `name` is the model that answers: its bare name or `name@version`."""
+    if name not in {info.model, model_id(info)}:
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist here; this agent serves {model_id(info)!r} "
+            f"(also accepted: {info.model!r})",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _model_entry(info: EngineInfo, status: str) -> dict:
@@ -296,10 +346,31 @@ def _generation_routes(server: AgentApp) -> list[Route]:
     async def completions(request: Request) -> Response:
         return await _generate(server, request, "completion")
 
+    async def embeddings(request: Request) -> Response:
+        body = parse_request(EmbeddingRequest, await read_json(request, server.settings))
+        report_ignored(server, body)
+        timeout = server.settings.request_timeout_s
+        done = await embed(
+            server.manager,
+            server.admission,
+            body.texts(),
+            timeout,
+            lambda info: check_model(body.model, info),
+        )
+        return JSONResponse(embedding_body(body, done, model_id(done.info)))
+
     return [
         Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/v1/embeddings", endpoint(embeddings), methods=["POST"]),
     ]
+
+
+def report_ignored(server: AgentApp, body: BaseModel) -> None:
+    """Count (and log, once per name) the request fields nothing here reads."""
+    for name in ignored_fields(body):
+        if server.metrics.ignored_field(name):
+            _log.warning("ignoring the request field %r, which this agent does not use", name)
 
 
 async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
@@ -310,18 +381,16 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
     except ClientDisconnect:
         _status_of(request, GONE)
         return Response(status_code=GONE)
-    body = parse_request(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
-    job = Job(
-        messages=tuple(m.to_chat_message() for m in body.messages) if kind == "chat" else None,
-        text=body.prompt_text() if isinstance(body, CompletionRequest) else None,
-        plan=lambda prompt_len, info: _plan(body, prompt_len, info, settings),
-        timeout_s=settings.request_timeout_s,
-        request=body,
-        fallback=request.headers.get("x-sits-fallback", "").lower() != "off",
+    body: ChatCompletionRequest | CompletionRequest = (
+        parse_request(ChatCompletionRequest, data)
+        if kind == "chat"
+        else parse_request(CompletionRequest, data)
     )
+    report_ignored(server, body)
+    jobs = _jobs(body, settings, fallback=request.headers.get("x-sits-fallback", "").lower() != "off")
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
-        generation = await _start(server, job, gone)
+        first = await _start(server, jobs[0], gone)
     except Cancelled:
         _status_of(request, GONE)
         server.metrics.cancelled.labels(reason="disconnect").inc()
@@ -329,23 +398,68 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
     except BaseException:
         gone.cancel()
         raise
-    gone.add_done_callback(lambda _: generation.cancel())
-    server.metrics.prompt_tokens.inc(generation.started.prompt_tokens)
-    run = _Run(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"), generation, started, server.metrics)
+    run = _Run(kind, body, server, jobs, first, started, gone)
+    gone.add_done_callback(lambda _: run.cancel())
     if body.stream:
         return _EventStream(run, body.include_usage(), gone, request, settings.stall_timeout_s)
+    events: list[list[TokenEvent]] = [[] for _ in jobs]
     try:
-        text = "".join([event.text async for event in run.events()])
+        async for index, event in run.events():
+            events[index].append(event)
     except Cancelled:
         _status_of(request, GONE)
         server.metrics.cancelled.labels(reason="disconnect").inc()
         return Response(status_code=GONE)
     finally:
         gone.cancel()
-    usage_ = usage(run.prompt_tokens, run.tokens)
-    make = chat_response if kind == "chat" else completion_response
-    answer = make(run.rid, run.model, text, run.finish, usage_) | run.served_field()
+    choices = [c.body(events[c.index], run.finish[c.index]) for c in run.choices]
+    answer = envelope(run.rid, kind, run.model, choices, chunk=False, usage=run.usage()) | run.served_field()
     return JSONResponse(answer, headers=served_headers(run.served_by))
+
+
+def _jobs(
+    body: ChatCompletionRequest | CompletionRequest, settings: AgentSettings, *, fallback: bool
+) -> list[Job]:
+    """One job per choice (`n`), or ApiError 400 for what cannot be honoured. `fallback`: whether
+    the upstream may answer (False under `x-sits-fallback: off`)."""
+    if body.n > settings.max_concurrent:
+        raise ApiError(
+            400,
+            f"n {body.n} is above the {settings.max_concurrent} sequences this agent generates at once",
+            param="n",
+            code="invalid_value",
+        )
+    if isinstance(body, ChatCompletionRequest):
+        grammar = grammar_for(body)
+        tools = (
+            None
+            if body.tool_mode() == "none"
+            else [t.model_dump(exclude_none=True) for t in body.tools or ()]
+        )
+        messages = tuple(m.to_chat_message() for m in body.messages)
+        text = suffix = None
+    else:
+        if body.echo and body.logprobs is not None:
+            raise ApiError(
+                400,
+                "echo with logprobs needs the prompt's logprobs, which this agent does not compute",
+                param="echo",
+                code="unsupported_parameter",
+            )
+        grammar, tools, messages, text, suffix = None, None, None, body.prompt_text(), body.suffix
+    return [
+        Job(
+            messages=messages,
+            text=text,
+            plan=functools.partial(_plan, body, settings=settings, grammar=grammar, index=i),
+            timeout_s=settings.request_timeout_s,
+            tools=tuple(tools) if tools else None,
+            suffix=suffix,
+            request=body,
+            fallback=fallback,
+        )
+        for i in range(body.n)
+    ]
 
 
 async def _start(server: AgentApp, job: Job, gone: asyncio.Future) -> Generation:
@@ -364,18 +478,18 @@ def _plan(
     request: ChatCompletionRequest | CompletionRequest,
     prompt_len: int,
     info: EngineInfo,
+    *,
     settings: AgentSettings,
+    grammar: str | None,
+    index: int,
 ) -> SamplingParams:
-    """Check the model name and the token budget against the model that will answer."""
-    if request.model not in {info.model, model_id(info)}:
-        raise ApiError(
-            404,
-            f"the model {request.model!r} does not exist here; this agent serves {model_id(info)!r} "
-            f"(also accepted: {info.model!r})",
-            param="model",
-            code="model_not_found",
-        )
-    return request.sampling(_max_tokens(request, prompt_len, info.context_length, settings))
+    """Check the model name and the token budget against the model that will answer; choice
+    `index` of a seeded request gets seed + index (n samples, not n copies)."""
+    check_model(request.model, info)
+    params = request.sampling(_max_tokens(request, prompt_len, info.context_length, settings), grammar)
+    if params.seed is not None and index:
+        params = dataclasses.replace(params, seed=(params.seed + index) % 2**64)
+    return params
 
 
 def _max_tokens(
@@ -414,42 +528,68 @@ def _max_tokens(
 
 def served_headers(served: ServedBy) -> dict[str, str]:
     """`x-sits-served-by: edge|upstream`, and for an upstream answer `x-sits-fallback-reason`."""
-    headers = {"x-sits-served-by": served.by}
+    headers: dict[str, str] = {"x-sits-served-by": served.by}
     if served.reason:
         headers["x-sits-fallback-reason"] = served.reason
     return headers
 
 
 class _Run:
-    """One generation's bookkeeping: id, model, tokens, finish reason, and its latency metrics."""
+    """One request's generations, one per choice: id, model, tokens, finish reasons, and the
+    latency metrics. The first generation is started by the route (so its errors are the HTTP
+    answer); the others start as the events are read."""
 
     def __init__(
-        self, kind: Kind, rid: str, generation: Generation, started: float, metrics: AgentMetrics
+        self,
+        kind: Kind,
+        body: ChatCompletionRequest | CompletionRequest,
+        server: AgentApp,
+        jobs: list[Job],
+        first: Generation,
+        started: float,
+        gone: asyncio.Future,
     ) -> None:
         self.kind = kind
-        self.rid = rid
-        self.generation = generation
-        self.served_by = generation.started.served_by
-        self.model = self.served_by.model or model_id(generation.started.info)
-        self.prompt_tokens = generation.started.prompt_tokens
-        self.started = started
-        self.metrics = metrics
+        self.rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.served_by = first.started.served_by
+        self.model = self.served_by.model or model_id(first.started.info)
+        self.prompt_tokens = first.started.prompt_tokens
+        self.metrics = server.metrics
         self.tokens = 0
-        self.finish = "stop"
+        self.finish = ["stop"] * len(jobs)
+        names = None
+        if isinstance(body, ChatCompletionRequest) and body.tool_mode() != "none":
+            names = {t.function.name for t in body.tools or ()}
+        echo = body.prompt_text() if isinstance(body, CompletionRequest) and body.echo else ""
+        logprobs = body.top_logprobs_count() is not None
+        self.choices = [Choice(i, kind, tools=names, logprobs=logprobs, echo=echo) for i in range(len(jobs))]
+        self._server, self._jobs, self._started, self._gone = server, jobs, started, gone
+        self._generations = [first]
+        self._cancelled = False
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
 
-    async def events(self) -> AsyncIterator[TokenEvent]:
-        """The generation's events, counting tokens and observing TTFT and end-to-end latency."""
-        async for event in self.generation.events():
-            if event.token_id is not None:
-                if self.tokens == 0:
-                    self.metrics.ttft.observe(time.monotonic() - self.started)
-                self.tokens += 1
-                self.metrics.generation_tokens.inc()
-            if event.finish_reason is not None:
-                self.finish = event.finish_reason
-            yield event
-        self.metrics.e2e.observe(time.monotonic() - self.started)
-        reported = self.generation.usage() if isinstance(self.generation, Metered) else None
+    def usage(self) -> dict:
+        """The `usage` object: the prompt once, every choice's tokens."""
+        return usage(self.prompt_tokens, self.tokens)
+
+    def cancel(self) -> None:
+        """Cancel every generation started so far (and those that start later)."""
+        self._cancelled = True
+        for generation in self._generations:
+            generation.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """(choice index, event) until every generation has ended, counting tokens and observing
+        TTFT and end-to-end latency."""
+        if len(self._jobs) == 1:
+            async for event in self._generations[0].events():
+                yield 0, self._count(0, event)
+        else:
+            async for index, event in self._merged():
+                yield index, self._count(index, event)
+        self.metrics.e2e.observe(time.monotonic() - self._started)
+        only = self._generations[0] if len(self._jobs) == 1 else None
+        reported = only.usage() if isinstance(only, Metered) else None
         if reported is not None:  # an upstream's own count of its tokens
             self.prompt_tokens, self.tokens = reported
 
@@ -458,13 +598,50 @@ class _Run:
         served = self.served_by
         return {"sits": {"served_by": served.by, "fallback_reason": served.reason, "detail": served.detail}}
 
-    def chunk(self, text: str, finish: str | None, usage_: dict | None = None) -> dict:
-        """One stream chunk in the run's wire form (chat delta or completion text)."""
-        if self.kind == "chat":
-            body = chat_chunk(self.rid, self.model, {"content": text} if text else {}, finish, usage_)
-        else:
-            body = completion_chunk(self.rid, self.model, text, finish, usage_)
-        return body | self.served_field()
+    def _count(self, index: int, event: TokenEvent) -> TokenEvent:
+        if event.token_id is not None:
+            if self.tokens == 0:
+                self.metrics.ttft.observe(time.monotonic() - self._started)
+            self.tokens += 1
+            self.metrics.generation_tokens.inc()
+        if event.finish_reason is not None:
+            self.finish[index] = event.finish_reason
+        return event
+
+    async def _merged(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        queue: asyncio.Queue[tuple[int, TokenEvent | BaseException | None]] = asyncio.Queue(QUEUE_EVENTS)
+
+        async def pump(index: int) -> None:
+            try:
+                if index == 0:
+                    generation = self._generations[0]
+                else:
+                    generation = await _start(self._server, self._jobs[index], self._gone)
+                    self._generations.append(generation)
+                    if self._cancelled:
+                        generation.cancel()
+                    self.metrics.prompt_tokens.inc(generation.started.prompt_tokens)
+                async for event in generation.events():
+                    await queue.put((index, event))
+                await queue.put((index, None))
+            except Exception as exc:  # ApiError, Cancelled: the reader raises it
+                await queue.put((index, exc))
+
+        pumps = [asyncio.ensure_future(pump(i)) for i in range(len(self._jobs))]
+        try:
+            running = len(pumps)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            self.cancel()
+            for task in pumps:
+                task.cancel()
 
 
 def _sse(body: dict) -> bytes:
@@ -494,16 +671,24 @@ class _EventStream(Response):
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         run = self.run
+
+        def chunk(*choices: dict, **extra: Any) -> bytes:
+            body = envelope(run.rid, run.kind, run.model, list(choices), chunk=True, **extra)
+            return _sse(body | run.served_field())
+
         if run.kind == "chat":
-            role = chat_chunk(run.rid, run.model, {"role": "assistant", "content": ""}, None)
-            yield _sse(role | run.served_field())
+            for choice in run.choices:
+                yield chunk(choice.opening())
         try:
-            async for event in run.events():
-                if event.text:
-                    yield _sse(run.chunk(event.text, None))
-            yield _sse(run.chunk("", run.finish))
+            async for index, event in run.events():
+                choice = run.choices[index]
+                part = choice.add(event)
+                if part is not None:
+                    yield chunk(part)
+                if event.finish_reason is not None:
+                    yield chunk(choice.close(event.finish_reason))
             if self.include_usage:
-                yield _sse(run.chunk("", None, usage(run.prompt_tokens, run.tokens)))
+                yield chunk(usage=run.usage())
         except ApiError as exc:
             # Headers are sent: the failure can only travel as an event in the stream.
             yield _sse(exc.body())
@@ -519,7 +704,7 @@ class _EventStream(Response):
                         await send({"type": "http.response.body", "body": data, "more_body": True})
                 except TimeoutError:
                     # The client stopped reading: free the engine; the server closes the connection.
-                    self.run.generation.cancel()
+                    self.run.cancel()
                     metrics.cancelled.labels(reason="stalled").inc()
                     _status_of(self.request, GONE)
                     return
@@ -529,7 +714,7 @@ class _EventStream(Response):
             _status_of(self.request, GONE)
         finally:
             self.gone.cancel()
-            self.run.generation.cancel()
+            self.run.cancel()
 
 
 # -- the app ---------------------------------------------------------------------------------------

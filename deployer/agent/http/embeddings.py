@@ -1,0 +1,80 @@
+"""/v1/embeddings: the served model's own embeddings (its last hidden states, mean-pooled and
+L2-normalised, computed by the engine), as floats or as base64 of little-endian float32 (what the
+official client asks for by default).
+
+An embedding takes the same admission slot and model lease as a generation and runs on a worker
+thread holding the engine, so it queues behind running generations rather than racing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from deployer.agent.engines.base import EngineInfo
+from deployer.agent.hotswap import ModelManager
+from deployer.agent.http.admission import Admission
+from deployer.agent.http.generate import api_error
+from deployer.agent.http.openai_schemas import ApiError, EmbeddingRequest
+
+__all__ = ["Embedded", "embed", "embedding_body"]
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """What the engine computed: one vector per input, the tokens read, and the model."""
+
+    vectors: list[list[float]]
+    tokens: int
+    info: EngineInfo
+
+
+async def embed(
+    manager: ModelManager,
+    admission: Admission,
+    texts: list[str],
+    timeout_s: float,
+    check: Callable[[EngineInfo], None],
+) -> Embedded:
+    """Embed `texts` with the active model after `check` accepts it (it raises ApiError 404 for
+    another model's name); ApiError for every failure."""
+
+    def run() -> Embedded:
+        with admission.slot(timeout_s), manager.lease() as slot:
+            check(slot.info)
+            vectors, tokens = slot.call(lambda engine: engine.embed(texts), timeout_s)
+            return Embedded(vectors, tokens, slot.info)
+
+    try:
+        return await asyncio.to_thread(run)
+    except Exception as exc:
+        raise api_error(exc) from exc
+
+
+def embedding_body(request: EmbeddingRequest, done: Embedded, model: str) -> dict:
+    """The response body; ApiError 400 for `dimensions` other than the model's (never shortened)."""
+    size = len(done.vectors[0]) if done.vectors else 0
+    if request.dimensions is not None and request.dimensions != size:
+        raise ApiError(
+            400,
+            f"dimensions {request.dimensions}: this model's embeddings have {size}, and they are not "
+            "shortened here",
+            param="dimensions",
+            code="unsupported_value",
+        )
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encode(v, request.encoding_format)}
+        for i, v in enumerate(done.vectors)
+    ]
+    usage = {"prompt_tokens": done.tokens, "total_tokens": done.tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+def _encode(vector: list[float], encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
