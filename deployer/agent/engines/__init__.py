@@ -11,9 +11,15 @@ ENGINE_NAMES = ("torch", "llama.cpp")
 
 
 def make_engine(
-    name: str, *, context_length: int = 2048, device: str = "cpu", threads: int | None = None
+    name: str,
+    *,
+    context_length: int = 2048,
+    device: str = "cpu",
+    threads: int | None = None,
+    slots: int = 1,
 ) -> Engine:
-    """A new, unloaded engine of the named kind ("torch" or "llama.cpp").
+    """A new, unloaded engine of the named kind ("torch" or "llama.cpp"); `slots` is how many
+    sequences a batched step may run (agent.yaml's max_concurrent).
 
     Raises AgentError for an unknown name or an engine whose optional dependency is missing.
     """
@@ -29,7 +35,7 @@ def make_engine(
             )
         from deployer.agent.engines.llamacpp_engine import LlamaCppEngine
 
-        return LlamaCppEngine(max_context=context_length, threads=threads)
+        return LlamaCppEngine(max_context=context_length, threads=threads, slots=slots)
     raise AgentError(
         f"unknown engine {name!r}", hint=f"agent.yaml `engine:` is one of {', '.join(ENGINE_NAMES)}"
     )
