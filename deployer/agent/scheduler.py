@@ -296,6 +296,8 @@ class Scheduler:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._running: dict[int, _Request] = {}
         self._closing = False
+        self._final: Callable[[], None] | None = None
+        self._stopped = False  # the loop has ended: run() would never be answered
         self._context_length: int | None = None
         self._reported = SchedulerCounts(0, 0)
         self._report_lock = threading.Lock()
@@ -308,7 +310,7 @@ class Scheduler:
         """`fn()` on the engine thread, between two steps (load, warm-up, unload); its result or error."""
         future: Future = Future()
         with self._cond:
-            if not self._thread.is_alive():
+            if self._stopped:
                 raise AgentError("the engine thread has stopped", hint="reload the model")
             self._calls.append((fn, future))
             self._cond.notify()
@@ -318,6 +320,11 @@ class Scheduler:
         """Requests running in the batch and waiting for a slot, now."""
         with self._cond:
             return SchedulerCounts(len(self._running), len(self._waiting))
+
+    @property
+    def stopped(self) -> bool:
+        """The engine thread has ended (closed and drained, or failed)."""
+        return self._stopped
 
     @property
     def capacity(self) -> int:
@@ -348,14 +355,16 @@ class Scheduler:
         self._report()
         return Generation(request)
 
-    def close(self, timeout_s: float | None = None) -> bool:
-        """Take no new requests, let the running and waiting ones finish, stop the thread.
-
-        True when the thread stopped within `timeout_s`.
-        """
+    def close(self, final: Callable[[], None] | None = None) -> None:
+        """Take no new requests; once the running and waiting ones have finished, run `final()` (e.g.
+        the engine's unload) on the engine thread and stop it. Returns at once; see `join`."""
         with self._cond:
             self._closing = True
+            self._final = final
             self._cond.notify()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the engine thread to stop after close(); True when it did within `timeout_s`."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
@@ -376,6 +385,8 @@ class Scheduler:
                 pass
         finally:
             self._fail_all(AgentError("the engine thread stopped", hint="reload the model"))
+            if self._final is not None:
+                self._final()
 
     def _tick(self) -> bool:
         """One round of the loop; False when closed and drained."""
@@ -528,6 +539,7 @@ class Scheduler:
 
     def _fail_all(self, error: AgentError) -> None:
         with self._cond:
+            self._stopped = True
             requests = list(self._waiting) + list(self._running.values())
             self._waiting.clear()
             self._running.clear()

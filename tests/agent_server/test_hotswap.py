@@ -57,7 +57,7 @@ def test_swaps_under_concurrent_load_fail_no_request(
     assert results == [(200, True, "v2"), (200, True, "v1"), (200, True, "v2")]
     assert {model.rsplit("@", 1)[1] for model in served} == {"v1", "v2"}
     assert agent.metrics.reloads.value(result="success") == 4  # the first load and three swaps
-    wait_until(lambda: agent.admission.counts().running == 0, "every slot returned")
+    wait_until(lambda: agent.manager.counts().running == 0, "every slot returned")
 
 
 def test_broken_artifact_is_refused_and_the_old_keeps_serving(start_agent, broken_model_dir, http, chat_body):

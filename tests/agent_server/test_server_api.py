@@ -118,7 +118,7 @@ def test_health_ready_and_metrics(agent, client, http, wait_until):
     client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
     # The server counts a request just after answering it.
     wait_until(lambda: agent.metrics.requests.value(endpoint="/v1/chat/completions", status="200"), "counted")
-    wait_until(lambda: agent.admission.counts().running == 0, "slot returned")
+    wait_until(lambda: agent.manager.counts().running == 0, "slot returned")
     assert http(agent.port, "GET", "/healthz")[0] == 200
     status, _, body = http(agent.port, "GET", "/readyz")
     assert (status, body["version"]) == (200, "v1")

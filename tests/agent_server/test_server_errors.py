@@ -121,4 +121,4 @@ def test_client_leaving_mid_stream_frees_its_slot(start_agent, http, chat_body, 
     assert set(statuses) <= {200, 429}
     left = 'sits_requests_total{endpoint="/v1/chat/completions",status="499"} 1.0'
     wait_until(lambda: left in http(agent.port, "GET", "/metrics")[2].splitlines(), "a 499 counted")
-    wait_until(lambda: agent.admission.counts().running == 0, "every slot returned")
+    wait_until(lambda: agent.manager.counts().running == 0, "every slot returned")

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployer.agent.engines.base import Engine, EngineInfo, TokenEvent
 from deployer.agent.hotswap import ModelManager, SwapResult, Unavailable
-from deployer.agent.http.admission import Admission, Overloaded, QueueTimeout
+from deployer.agent.http.admission import Overloaded, QueueTimeout
 from deployer.agent.http.metrics import AgentMetrics
 from deployer.agent.http.openai_schemas import (
     ApiError,
@@ -65,7 +65,6 @@ class AgentApp(Protocol):
     settings: AgentSettings
     metrics: AgentMetrics
     manager: ModelManager
-    admission: Admission
 
     def reload(
         self, artifact_dir: Path | None = None, version: str | None = None, *, reason: str = "reload"
@@ -231,8 +230,8 @@ class RequestHandler(BaseHTTPRequestHandler):
         request = parse_request(model, self._read_json())
         timeout = self.settings.request_timeout_s
         try:
-            with self.app.admission.slot(timeout), self.app.manager.lease() as slot:
-                prompt = slot.call(lambda engine: _tokenize(engine, request), timeout)
+            with self.app.manager.lease() as slot:
+                prompt = _tokenize(slot.engine, request)
                 max_tokens = _max_tokens(request, len(prompt), slot.info.context_length, self.settings)
                 self.app.metrics.prompt_tokens.inc(len(prompt))
                 with contextlib.closing(slot.stream(prompt, request.sampling(max_tokens), timeout)) as events:
@@ -248,7 +247,7 @@ class RequestHandler(BaseHTTPRequestHandler):
                 f"the agent is at capacity ({exc}); retry later",
                 type_="rate_limit_error",
                 code="overloaded",
-                headers={"Retry-After": "1"},
+                headers={"Retry-After": str(exc.retry_after_s)},
             ) from exc
         except QueueTimeout as exc:
             raise ApiError(
@@ -256,7 +255,7 @@ class RequestHandler(BaseHTTPRequestHandler):
                 f"{exc}; retry later",
                 type_="server_error",
                 code="queue_timeout",
-                headers={"Retry-After": "1"},
+                headers={"Retry-After": str(exc.retry_after_s)},
             ) from exc
         except SitsError as exc:
             # Raised before any token (tokenizing, the engine refusing parameters): the request's fault.

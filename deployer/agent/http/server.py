@@ -13,8 +13,8 @@ Endpoints::
 
 Reloads come from `POST /admin/reload` (what `sits-agent reload` and the updater call, and what
 the unit's ExecReload runs) or from SIGHUP, which re-reads the store's `current` pointer in the
-background. Runs on the standard library's ThreadingHTTPServer: one thread per connection; admission
-control bounds how many of them generate or wait.
+background. Runs on the standard library's ThreadingHTTPServer: one thread per connection; each model's
+scheduler batches their generations and bounds how many wait.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from pathlib import Path
 
 from deployer.agent.engines.base import Engine
 from deployer.agent.hotswap import ModelManager, SwapResult
-from deployer.agent.http.admission import Admission
 from deployer.agent.http.metrics import AgentMetrics
 from deployer.agent.http.routes import RequestHandler
 from deployer.agent.notify import Notifier, Watchdog, configure_journal_logging, lifecycle_event
+from deployer.agent.scheduler import SchedulerCounts
 from deployer.agent.settings import AgentSettings
 from deployer.agent.store import DeviceStore
 from deployer.errors import AgentError
@@ -62,10 +62,11 @@ class AgentServer:
         self.metrics = AgentMetrics()
         self.notifier = notifier or Notifier()
         self.store = DeviceStore(settings.root)
-        self.manager = ModelManager(engine_factory, settings, on_swap=self._record_swap)
+        self.manager = ModelManager(
+            engine_factory, settings, on_swap=self._record_swap, on_counts=self._record_counts
+        )
         self._http: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
-        self.admission = Admission(settings.max_concurrent, settings.queue_length, self._record_counts)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -153,9 +154,9 @@ class AgentServer:
                 device=info.device,
             )
 
-    def _record_counts(self, running: int, waiting: int) -> None:
-        self.metrics.running.set(running)
-        self.metrics.waiting.set(waiting)
+    def _record_counts(self, counts: SchedulerCounts) -> None:
+        self.metrics.running.set(counts.running)
+        self.metrics.waiting.set(counts.waiting)
 
 
 def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | None = None) -> None:
@@ -174,6 +175,7 @@ def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | N
                 context_length=settings.context_length,
                 device=settings.device,
                 threads=settings.threads,
+                slots=settings.max_concurrent,
             )
 
     server = AgentServer(settings, engine_factory)
