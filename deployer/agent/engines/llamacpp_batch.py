@@ -68,6 +68,7 @@ class BatchContext:
         self._n_batch = params.n_batch
         self._batch = lib.llama_batch_init(self._n_batch, 0, 1)
         self._slots = [_Slot() for _ in range(slots)]
+        self._n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
         self.context_length = lib.llama_n_ctx_seq(ctx)
 
     @property
@@ -84,6 +85,8 @@ class BatchContext:
                 f"a prompt of {len(prompt)} tokens does not fit a slot of {self.context_length}",
                 hint="shorten the prompt",
             )
+        if bad := next((t for t in prompt if not 0 <= t < self._n_vocab), None):
+            raise AgentError(f"token id {bad} is not in the vocabulary of {self._n_vocab} tokens")
         self._free_sampler(state)
         # Keep the common prefix, but decode at least the prompt's last token: its logits are needed.
         keep = min(_common_prefix(state.cached, prompt), len(prompt) - 1)
