@@ -413,7 +413,15 @@ class Scheduler:
             request.push(QueueTimeout(f"waited {self.limits.queue_timeout_s:.0f} s for a free slot"))
         for request in dropped:
             self._release(request)
-            request.finish_silently()
+            if request.cancelled:
+                request.finish_silently()
+            else:  # stalled: a consumer that comes back learns why its answer stopped
+                request.push(
+                    AgentError(
+                        f"dropped: the consumer read nothing for {self.limits.stall_timeout_s:.0f} s",
+                        hint="read the stream as it comes",
+                    )
+                )
         for request in admitted:
             self._prefill(request)
         runnable = [r for r in runnable if r.slot in self._running and not r.cancelled]
