@@ -456,10 +456,14 @@ class Scheduler:
         """Move waiting requests into free slots (lock held); their prefill runs after."""
         taken = set(self._running)
         free = [s for s in range(self.capacity) if s not in taken]
+        batched = self.engine.max_slots > 0
         admitted = []
         while free and self._waiting:
             request = self._waiting.popleft()
-            request.slot = free.pop(0)
+            # The slot whose cache already holds most of the prompt (a shared system prompt, the
+            # earlier turns of a chat) saves that much prefill.
+            request.slot = self.engine.choose_slot(free, request.prompt) if batched else free[0]
+            free.remove(request.slot)
             self._running[request.slot] = request
             admitted.append(request)
         return admitted

@@ -91,6 +91,18 @@ def test_a_prompt_that_extends_what_a_slot_holds_gives_the_same_answer(tiny_gguf
     assert _alone(engine, first + second, GREEDY, 12) == fresh
 
 
+def test_a_prompt_goes_to_the_free_slot_that_holds_most_of_it(tiny_gguf_dir):
+    engine = _engine(tiny_gguf_dir, slots=3)
+    first, second = _random_prompts()[:2]
+    engine.prefill(1, first, GREEDY)
+    engine.prefill(2, second, GREEDY)
+    engine.release(1)
+    engine.release(2)
+    assert engine.choose_slot([0, 1, 2], [*first, 7]) == 1
+    assert engine.choose_slot([0, 2], second) == 2
+    assert engine.choose_slot([0, 1], second) == 0  # nothing shared: the first free one
+
+
 def test_bad_slots_and_prompts_are_refused(tiny_gguf_dir):
     engine = _engine(tiny_gguf_dir, slots=2, context_length=64)
     prompt = _prompts(engine)[0]

@@ -111,6 +111,11 @@ class Engine(abc.ABC):
         that does not fit, or bad parameters."""
         raise AgentError(f"the {type(self).__name__} engine has no batched interface")
 
+    def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
+        """Which of the `free` slots `prompt` should go to: by default the first; an engine with
+        prefix reuse picks the one whose cache shares the longest prefix with it."""
+        return free[0]
+
     def step(self, slots: Sequence[int]) -> list[int]:
         """One decode step for each of `slots` (each continues from its last token); the next token
         id of each, in the same order."""

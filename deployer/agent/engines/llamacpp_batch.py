@@ -76,6 +76,10 @@ class BatchContext:
         """How many sequences this context runs together."""
         return len(self._slots)
 
+    def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
+        """The free slot whose cache shares the longest prefix with `prompt` (the first on a tie)."""
+        return max(free, key=lambda s: _common_prefix(self._slot(s).cached, prompt))
+
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
         """Start `slot` on `prompt` (reusing the cached prefix); the first sampled token."""
         state = self._slot(slot)

@@ -224,6 +224,10 @@ class LlamaCppEngine(Engine):
         """Tokens that end generation, as llama.cpp decides (eos, eot, <|im_end|>, ...)."""
         return self._require().end_ids
 
+    def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
+        """See Engine.choose_slot: the free slot holding the longest prefix of `prompt`."""
+        return self._require().batch.choose_slot(free, prompt)
+
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
         """See Engine.prefill; computed on the llama.cpp thread."""
         return _on_llama_thread(self._require().batch.prefill, slot, list(prompt), params)
