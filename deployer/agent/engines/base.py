@@ -90,7 +90,9 @@ class EngineInfo:
 
 
 class Engine(abc.ABC):
-    """A loaded model. Not thread-safe: every call comes from one thread at a time.
+    """A loaded model. Every call that computes (load, warmup, stream, prefill, step, release,
+    unload) comes from one thread (the scheduler's engine thread); the text calls (chat_prompt,
+    encode, decode, end_ids, describe) may come from any thread, also while it generates.
 
     Two ways to generate. `stream` runs one sequence to its end. The batched step interface
     (`max_slots`, `prefill`, `step`, `release`) is what a scheduler drives to serve many requests
