@@ -342,7 +342,7 @@ class Scheduler:
         budget = token_budget(prompt, params, self._context())
         request = _Request(prompt, params, budget, self.limits.buffer_events, self._wake)
         with self._cond:
-            if self._closing:
+            if self._closing or self._stopped:
                 raise AgentError("this model is being unloaded", hint="retry: a newer model serves")
             free = self.capacity - len(self._running)
             if len(self._waiting) >= self.limits.queue_length + max(0, free):
@@ -424,7 +424,7 @@ class Scheduler:
                 )
         for request in admitted:
             self._prefill(request)
-        runnable = [r for r in runnable if r.slot in self._running and not r.cancelled]
+        runnable = [r for r in runnable if self._running.get(r.slot) is r and not r.cancelled]
         if runnable:
             self._step(runnable)
         if expired or admitted or dropped or runnable or cancelled_waiting:
