@@ -62,6 +62,7 @@ class Row:
     tokens: int
     aggregate_tok_s: float
     ttft_p50_ms: float
+    errors: int  # requests refused (429, or 503 after request_timeout_s in the queue)
 
 
 # -- servers -------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def stream_once(port: int, tokens: int) -> tuple[float, list[float]]:
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
-        raise SystemExit(f"HTTP {response.status}: {response.read()[:200]!r}")
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
     for line in response:
         if line.startswith(b"data: {"):
             chunk = json.loads(line[6:])
@@ -195,11 +196,17 @@ def stream_once(port: int, tokens: int) -> tuple[float, list[float]]:
 def measure(server: Server, clients: int, requests: int, tokens: int) -> Row:
     """`clients` threads, each streaming `requests` completions in turn."""
     runs: list[tuple[float, list[float]]] = []
+    errors: list[str] = []
     lock = threading.Lock()
 
     def client() -> None:
         for _ in range(requests):
-            run = stream_once(server.port, tokens)
+            try:
+                run = stream_once(server.port, tokens)
+            except (RuntimeError, OSError) as exc:
+                with lock:
+                    errors.append(str(exc))
+                continue
             with lock:
                 runs.append(run)
 
@@ -213,7 +220,7 @@ def measure(server: Server, clients: int, requests: int, tokens: int) -> Row:
     wall = time.perf_counter() - started
     total = sum(len(stamps) for _, stamps in runs)
     ttft = statistics.median((stamps[0] - start) * 1000 for start, stamps in runs if stamps)
-    return Row(server.name, clients, len(runs), total, total / wall, ttft)
+    return Row(server.name, clients, len(runs), total, total / wall, ttft, len(errors))
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -239,6 +246,7 @@ def table(rows: list[Row], title: str) -> Table:
             r.server,
             str(r.clients),
             str(r.requests),
+            str(r.errors),
             str(r.tokens),
             f"{r.aggregate_tok_s:.1f}",
             ratio,
