@@ -293,6 +293,7 @@ def soak(gguf: Path, requests: int) -> None:
                 if n in (100, requests) or n % 1000 == 0:
                     with lock:
                         marks.append((n, server.rss_mb()))
+                        print(f"{n:8d} requests  RSS {marks[-1][1]:7.1f} MB", flush=True)
 
         threads = [threading.Thread(target=client) for _ in range(2)]
         for thread in threads:
@@ -306,9 +307,6 @@ def soak(gguf: Path, requests: int) -> None:
     first, last = marks[0], marks[-1]
     slope = (last[1] - first[1]) / max(1, last[0] - first[0]) * 1000
     rate = requests / wall
-    print("requests  RSS MB")
-    for n, rss in marks:
-        print(f"{n:8d}  {rss:7.1f}")
     growth = (last[1] - first[1]) / first[1] * 100
     print(f"RSS after {last[0]} vs after {first[0]}: {growth:+.2f}% (target within 5%)")
     print(
