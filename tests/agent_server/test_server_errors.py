@@ -143,7 +143,7 @@ def test_client_leaving_mid_stream_frees_its_slot(start_agent, gated, http, chat
     sock.close()
     wait_until(metric_is(agent, "sits_requests_cancelled_total", 1, reason="disconnect"), "cancel")
     gate.set()
-    wait_until(lambda: agent.admission.counts().running == 0, "every slot returned")
+    wait_until(lambda: agent.manager.counts().running == 0, "every slot returned")
     status, _, _ = http(agent.port, "POST", "/v1/chat/completions", chat_body(max_tokens=1))
     assert status == 200
     wait_until(

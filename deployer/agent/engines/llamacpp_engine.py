@@ -1,4 +1,5 @@
-"""The llama.cpp implementation of `Engine`: a GGUF artifact run by llama-cpp-python, on the CPU.
+"""The llama.cpp implementation of `Engine`: a GGUF artifact run by llama-cpp-python, on the CPU,
+with the batched step interface (several sequences per llama_decode, see llamacpp_batch).
 
 The GGUF is checked by our own reader (deployer.core.gguf_io) and against the artifact manifest
 before llama.cpp sees it, so a corrupt or lying file is refused with its name, not a crash in C.
@@ -20,7 +21,6 @@ which halved decode speed at 2 threads on 2 cores (32 against 76 tokens/s in-pro
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +31,6 @@ from typing import Any
 
 from deployer.agent.chat import ChatTemplate
 from deployer.agent.engines.base import (
-    GREEDY_BELOW,
     ChatMessage,
     Engine,
     EngineInfo,
@@ -39,6 +38,7 @@ from deployer.agent.engines.base import (
     TokenEvent,
     token_budget,
 )
+from deployer.agent.engines.llamacpp_batch import BatchContext
 from deployer.agent.engines.textstream import token_events
 from deployer.core.gguf_io import GGUF_FILE, GGUFHeader, read_gguf_header
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
@@ -49,6 +49,9 @@ __all__ = ["LlamaCppEngine", "require_llama_cpp"]
 DEFAULT_MAX_CONTEXT = 2048
 WARMUP_MESSAGES = (ChatMessage("user", "Hello"),)
 WARMUP_TOKENS = 4
+DEFAULT_SLOTS = 4  # agent.yaml's default max_concurrent
+# The Llama object's own context only tokenizes (generation has a batched context of its own).
+_TOKENIZER_CONTEXT = 32
 INSTALL_HINT = "pip install 'sits-deployer[llamacpp]' (it compiles llama.cpp: several minutes, once)"
 # Token types that can end generation (gguf TokenType CONTROL, USER_DEFINED): few, so the
 # end-of-generation set is asked of llama.cpp once at load rather than per token.
@@ -56,18 +59,11 @@ _SPECIAL_TOKEN_TYPES = (3, 4)
 
 
 _LLAMA_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama.cpp")
-_END = object()
 
 
 def _on_llama_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """func(*args, **kwargs), run on the process's one llama.cpp thread; its exceptions propagate."""
     return _LLAMA_THREAD.submit(func, *args, **kwargs).result()
-
-
-def _advanced_on_llama_thread(tokens: Iterator[int]) -> Iterator[int]:
-    """The items of `tokens`, each one computed on the llama.cpp thread."""
-    while (token := _on_llama_thread(next, tokens, _END)) is not _END:
-        yield token
 
 
 def require_llama_cpp() -> Any:
@@ -86,6 +82,7 @@ class _Loaded:
     """What load() produced: the llama.cpp model and what we read about it ourselves."""
 
     llm: Any
+    batch: BatchContext
     header: GGUFHeader
     name: str
     version: str
@@ -96,14 +93,22 @@ class _Loaded:
 
 
 class LlamaCppEngine(Engine):
-    """Runs a GGUF artifact with llama.cpp, one sequence at a time."""
+    """Runs a GGUF artifact with llama.cpp: `slots` sequences batched together (see llamacpp_batch)."""
 
-    def __init__(self, *, max_context: int = DEFAULT_MAX_CONTEXT, threads: int | None = None) -> None:
-        """`max_context` caps the KV cache; `threads` is llama.cpp's thread count (default: the CPUs
-        this process may run on). Raises AgentError when llama-cpp-python is not installed."""
+    def __init__(
+        self,
+        *,
+        max_context: int = DEFAULT_MAX_CONTEXT,
+        threads: int | None = None,
+        slots: int | None = None,
+    ) -> None:
+        """`max_context` caps each slot's KV cache; `threads` is llama.cpp's thread count (default:
+        the CPUs this process may run on); `slots` how many sequences one step decodes together.
+        Raises AgentError when llama-cpp-python is not installed."""
         self._llama_cpp = require_llama_cpp()
         self._max_context = max_context
         self._threads = threads or len(os.sched_getaffinity(0))
+        self._slots = slots or DEFAULT_SLOTS
         self._loaded: _Loaded | None = None
         self._busy = threading.Lock()
 
@@ -125,11 +130,13 @@ class LlamaCppEngine(Engine):
         name, version, quantization = _facts(artifact_dir, header)
         n_ctx = min(self._max_context, header.integer("llama.context_length") or self._max_context)
         try:
+            # The Llama object maps the weights and tokenizes; its own context is left tiny, since
+            # generation runs in the batched context below.
             llm = _on_llama_thread(
                 self._llama_cpp.Llama,
                 model_path=str(path),
-                n_ctx=n_ctx,
-                n_batch=min(512, n_ctx),
+                n_ctx=_TOKENIZER_CONTEXT,
+                n_batch=_TOKENIZER_CONTEXT,
                 n_threads=self._threads,
                 n_threads_batch=self._threads,
                 use_mmap=True,
@@ -137,12 +144,25 @@ class LlamaCppEngine(Engine):
             )
         except (ValueError, RuntimeError) as exc:  # llama-cpp-python's errors for a refused model
             raise AgentError(f"{path}: llama.cpp could not load the model: {exc}") from exc
+        try:
+            batch = _on_llama_thread(
+                BatchContext,
+                self._llama_cpp,
+                llm.model,
+                slots=self._slots,
+                context_length=n_ctx,
+                threads=self._threads,
+            )
+        except BaseException:
+            _on_llama_thread(llm.close)
+            raise
         template_source = header.string("tokenizer.chat_template")
         template = None
         if template_source:
             template = ChatTemplate(template_source, _special_tokens(header), path)
         self._loaded = _Loaded(
             llm=llm,
+            batch=batch,
             header=header,
             name=name,
             version=version,
@@ -168,13 +188,13 @@ class LlamaCppEngine(Engine):
             pass
 
     def unload(self) -> None:
-        """Free the model (llama.cpp's context and the mapping); the engine cannot be used afterwards.
+        """Free the batched context and the model; the engine cannot be used afterwards.
 
-        A generation still running keeps its own reference and frees the model when it ends.
+        A stream() still running keeps its own reference and frees the model when it ends.
         """
         loaded, self._loaded = self._loaded, None
         if loaded is not None and not self._busy.locked():
-            _on_llama_thread(loaded.llm.close)
+            _on_llama_thread(_close, loaded)
 
     # -- text ------------------------------------------------------------------------------
 
@@ -199,46 +219,66 @@ class LlamaCppEngine(Engine):
 
     # -- generation ------------------------------------------------------------------------
 
+    @property
+    def max_slots(self) -> int:
+        """How many sequences one step decodes together (the context's n_seq_max)."""
+        return self._slots
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """Tokens that end generation, as llama.cpp decides (eos, eot, <|im_end|>, ...)."""
+        return self._require().end_ids
+
+    def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
+        """See Engine.choose_slot: the free slot holding the longest prefix of `prompt`."""
+        return self._require().batch.choose_slot(free, prompt)
+
+    def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
+        """See Engine.prefill; computed on the llama.cpp thread."""
+        return _on_llama_thread(self._require().batch.prefill, slot, list(prompt), params)
+
+    def step(self, slots: Sequence[int]) -> list[int]:
+        """See Engine.step: one llama_decode for all `slots`, on the llama.cpp thread."""
+        return _on_llama_thread(self._require().batch.step, list(slots))
+
+    def release(self, slot: int) -> None:
+        """See Engine.release; the slot's cache stays for prefix reuse."""
+        _on_llama_thread(self._require().batch.release, slot)
+
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
-        """Generate from `prompt`; see Engine.stream. Raises AgentError for a prompt that does not
-        fit the context, bad sampling parameters, or a call while another generation runs."""
+        """Generate from `prompt` in slot 0; see Engine.stream. Raises AgentError for a prompt that
+        does not fit the context, bad sampling parameters, or a call while another stream runs.
+        Not for use beside a scheduler driving the same engine (both would use slot 0)."""
         loaded = self._require()
-        return self._generate(loaded, prompt, params, token_budget(prompt, params, loaded.llm.n_ctx()))
+        budget = token_budget(prompt, params, loaded.batch.context_length)
+        return self._generate(loaded, prompt, params, budget)
 
     def _generate(
         self, loaded: _Loaded, prompt: list[int], params: SamplingParams, budget: int
     ) -> Iterator[TokenEvent]:
         # Taken on the first next(), inside the generator, so an iterator that is never started
-        # holds nothing; closing it mid-run (client gone) stops llama.cpp's loop (finally).
+        # holds nothing; closing it mid-run (client gone) releases the slot (finally).
         if not self._busy.acquire(blocking=False):
             raise AgentError("the engine is already generating", hint="serialize calls to stream()")
-        tokens = None
         try:
-            # A fresh seed when none is asked for: the last request's must not repeat its answers.
-            loaded.llm.set_seed(secrets.randbits(31) if params.seed is None else params.seed % 2**32)
-            greedy = params.temperature < GREEDY_BELOW
-            # top_k 0 and min_p 0 switch those samplers off: OpenAI's API has neither.
-            tokens = loaded.llm.generate(
-                prompt,
-                top_k=0,
-                top_p=params.top_p,
-                min_p=0.0,
-                temp=0.0 if greedy else params.temperature,
-                repeat_penalty=1.0,
-            )
             yield from token_events(
-                _advanced_on_llama_thread(tokens),
+                self._tokens(loaded.batch, prompt, params),
                 self._decoder(loaded),
                 stops=params.stop,
                 end_ids=loaded.end_ids,
                 budget=budget,
             )
         finally:
-            if tokens is not None:
-                _on_llama_thread(tokens.close)
+            _on_llama_thread(loaded.batch.release, 0)
             self._busy.release()
             if self._loaded is not loaded:  # unloaded while this generation ran: free it now
-                _on_llama_thread(loaded.llm.close)
+                _on_llama_thread(_close, loaded)
+
+    @staticmethod
+    def _tokens(batch: BatchContext, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+        yield _on_llama_thread(batch.prefill, 0, prompt, params)
+        while True:
+            yield _on_llama_thread(batch.step, [0])[0]
 
     @staticmethod
     def _decoder(loaded: _Loaded) -> Any:
@@ -256,9 +296,10 @@ class LlamaCppEngine(Engine):
             quantization=loaded.quantization,
             kernel=f"ggml-cpu {loaded.quantization}",
             device="cpu",
-            context_length=loaded.llm.n_ctx(),
+            context_length=loaded.batch.context_length,
             extra={
                 "threads": str(self._threads),
+                "slots": str(self._slots),
                 "gguf": str(loaded.header.path),
                 "mmap": "true",
                 "llama_cpp_python": getattr(self._llama_cpp, "__version__", "unknown"),
@@ -270,6 +311,12 @@ class LlamaCppEngine(Engine):
         if self._loaded is None:
             raise AgentError("no model is loaded in this engine", hint="call load() first")
         return self._loaded
+
+
+def _close(loaded: _Loaded) -> None:
+    """Free the batched context, then the model it was made from (llama.cpp thread)."""
+    loaded.batch.close()
+    loaded.llm.close()
 
 
 def _facts(artifact_dir: Path, header: GGUFHeader) -> tuple[str, str, str]:

@@ -315,7 +315,6 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
         messages=tuple(m.to_chat_message() for m in body.messages) if kind == "chat" else None,
         text=body.prompt_text() if isinstance(body, CompletionRequest) else None,
         plan=lambda prompt_len, info: _plan(body, prompt_len, info, settings),
-        timeout_s=settings.request_timeout_s,
     )
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
