@@ -96,7 +96,7 @@ def test_gguf_swaps_under_concurrent_load_fail_no_request(agent, tiny_gguf_dir, 
     assert failures == []
     assert results == [True, True, True] and rollback.ok
     assert set(served) == {"v1", "v2"}
-    assert agent.metrics.rollbacks.value(result="success") == 1
+    assert agent.metrics.value("sits_rollbacks_total", result="success") == 1
     assert agent.manager.active_info().version == "v1"
 
 
