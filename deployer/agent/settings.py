@@ -27,6 +27,7 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from deployer.errors import ConfigError
 
@@ -168,7 +169,7 @@ def load_settings(path: Path) -> AgentSettings:
         ) from exc
 
 
-def _finding(path: Path, root_node: yaml.Node | None, err: dict) -> str:
+def _finding(path: Path, root_node: yaml.Node | None, err: ErrorDetails) -> str:
     loc = tuple(err.get("loc", ()))
     dotted = ".".join(str(part) for part in loc) or "(top level)"
     line = _line_of(root_node, loc)

@@ -175,7 +175,7 @@ class LlamaCppEngine(Engine):
     def _end_ids(self, llm: Any, header: GGUFHeader) -> frozenset[int]:
         """Tokens that end generation as llama.cpp itself decides (eos, eot, <|im_end|>, ...)."""
         vocab = self._llama_cpp.llama_model_get_vocab(llm.model)
-        types = header.metadata.get("tokenizer.ggml.token_type") or []
+        types = _array(header, "tokenizer.ggml.token_type")
         candidates = {i for i, kind in enumerate(types) if kind in _SPECIAL_TOKEN_TYPES}
         candidates.add(llm.token_eos())
         return frozenset(t for t in candidates if self._llama_cpp.llama_vocab_is_eog(vocab, t))
@@ -339,11 +339,17 @@ def _facts(artifact_dir: Path, header: GGUFHeader) -> tuple[str, str, str]:
 
 def _special_tokens(header: GGUFHeader) -> dict[str, str]:
     """bos_token/eos_token/... for the chat template, from the GGUF's token list."""
-    tokens = header.metadata.get("tokenizer.ggml.tokens") or []
+    tokens = _array(header, "tokenizer.ggml.tokens")
     found = {}
     for key in ("bos", "eos", "unknown", "padding"):
         token_id = header.integer(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None and 0 <= token_id < len(tokens):
             name = {"unknown": "unk", "padding": "pad"}.get(key, key)
-            found[f"{name}_token"] = tokens[token_id]
+            found[f"{name}_token"] = str(tokens[token_id])
     return found
+
+
+def _array(header: GGUFHeader, key: str) -> list[object]:
+    """An array metadata value, or [] when absent or not an array."""
+    value = header.metadata.get(key)
+    return value if isinstance(value, list) else []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -118,6 +118,9 @@ class _Sampling(_Wire):
         )
 
 
+RequestT = TypeVar("RequestT", bound=_Sampling)
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
@@ -145,7 +148,7 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
-def parse_request(model: type[_Sampling], data: object) -> _Sampling:
+def parse_request(model: type[RequestT], data: object) -> RequestT:
     """Validate a decoded JSON body; raise ApiError 400 naming the first offending parameter."""
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployer.agent.engines.base import EngineInfo, SamplingParams, TokenEvent
 from deployer.agent.hotswap import ModelManager, SwapResult
@@ -108,7 +108,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
     path = request.url.path
     if exc.status_code == 405:
         error = ApiError(
-            405, f"{request.method} is not allowed on {path}", code="method_not_allowed", headers=exc.headers
+            405,
+            f"{request.method} is not allowed on {path}",
+            code="method_not_allowed",
+            headers=dict(exc.headers or {}),
         )
     else:
         error = ApiError(exc.status_code, f"no route {request.method} {path}", code="not_found")
@@ -132,9 +135,10 @@ class _Counted:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope["sits"] = holder = {}
+        holder: dict[str, int] = {}
+        scope["sits"] = holder
 
-        async def counting_send(message: dict) -> None:
+        async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 holder.setdefault("status", message["status"])
             await send(message)
@@ -310,9 +314,14 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
     except ClientDisconnect:
         _status_of(request, GONE)
         return Response(status_code=GONE)
-    body = parse_request(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
+    schema: type[ChatCompletionRequest | CompletionRequest] = (
+        ChatCompletionRequest if kind == "chat" else CompletionRequest
+    )
+    body = parse_request(schema, data)
     job = Job(
-        messages=tuple(m.to_chat_message() for m in body.messages) if kind == "chat" else None,
+        messages=tuple(m.to_chat_message() for m in body.messages)
+        if isinstance(body, ChatCompletionRequest)
+        else None,
         text=body.prompt_text() if isinstance(body, CompletionRequest) else None,
         plan=lambda prompt_len, info: _plan(body, prompt_len, info, settings),
     )
