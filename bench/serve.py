@@ -30,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ def child_agent(engine: str, artifact_dir: Path, threads: int) -> None:
 
     settings = AgentSettings(
         port=0,
+        root=Path(tempfile.mkdtemp(prefix="sits-bench-")),  # its own admin socket and key file
         engine=engine,
         threads=threads,
         max_concurrent=16,
@@ -110,6 +112,7 @@ class Server:
         # Keep reading its output: a full pipe would block the server on its next log line.
         threading.Thread(target=self.process.stdout.read, daemon=True).start()
         self._await_health()
+        self.model = self._model_id()
 
     def _read_port(self, port_from: str) -> int:
         for line in self.process.stdout:
@@ -134,6 +137,15 @@ class Server:
                 conn.close()
             time.sleep(0.2)
         raise SystemExit(f"{self.name} never became healthy")
+
+    def _model_id(self) -> str:
+        """The name requests must give: the first model /v1/models lists (the agent refuses others)."""
+        conn = HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request("GET", "/v1/models")
+            return json.loads(conn.getresponse().read())["data"][0]["id"]
+        finally:
+            conn.close()
 
     def rss_mb(self) -> float:
         """VmRSS of the server process, in MB."""
@@ -175,10 +187,11 @@ def start_llama_server(binary: Path, gguf: Path, slots: int) -> Server:
 # -- clients -------------------------------------------------------------------------------------
 
 
-def stream_once(port: int, tokens: int) -> tuple[float, list[float]]:
+def stream_once(server: Server, tokens: int) -> tuple[float, list[float]]:
     """One streamed chat completion: (start, arrival time of every chunk with text)."""
-    body = {"model": "m", "messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True}
-    conn = HTTPConnection("127.0.0.1", port, timeout=600)
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0}
+    body["stream"] = True
+    conn = HTTPConnection("127.0.0.1", server.port, timeout=600)
     start, stamps = time.perf_counter(), []
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -202,7 +215,7 @@ def measure(server: Server, clients: int, requests: int, tokens: int) -> Row:
     def client() -> None:
         for _ in range(requests):
             try:
-                run = stream_once(server.port, tokens)
+                run = stream_once(server, tokens)
             except (RuntimeError, OSError) as exc:
                 with lock:
                     errors.append(str(exc))
@@ -210,7 +223,7 @@ def measure(server: Server, clients: int, requests: int, tokens: int) -> Row:
             with lock:
                 runs.append(run)
 
-    stream_once(server.port, 8)  # warm-up
+    stream_once(server, 8)  # warm-up
     threads = [threading.Thread(target=client) for _ in range(clients)]
     started = time.perf_counter()
     for thread in threads:
@@ -226,22 +239,20 @@ def measure(server: Server, clients: int, requests: int, tokens: int) -> Row:
 # -- output --------------------------------------------------------------------------------------
 
 
+PEER = "llama-server -np 4"
+
+
 def table(rows: list[Row], title: str) -> Table:
+    """One row per server and client count, with the ratios to its own single client and to
+    llama-server at the same client count."""
     out = Table(title=title)
-    for column in (
-        "server",
-        "clients",
-        "requests",
-        "tokens",
-        "aggregate tok/s",
-        "vs 1 client",
-        "p50 TTFT ms",
-    ):
+    columns = ("server", "clients", "requests", "refused", "tokens", "aggregate tok/s")
+    for column in (*columns, "vs 1 client", "vs llama-server", "p50 TTFT ms"):
         out.add_column(column, justify="left" if column == "server" else "right")
     single = {r.server: r for r in rows if r.clients == 1}
+    peer = {r.clients: r for r in rows if r.server == PEER}
     for r in rows:
-        base = single.get(r.server)
-        ratio = f"{r.aggregate_tok_s / base.aggregate_tok_s:.2f}x" if base else "-"
+        base, other = single.get(r.server), peer.get(r.clients)
         out.add_row(
             r.server,
             str(r.clients),
@@ -249,7 +260,8 @@ def table(rows: list[Row], title: str) -> Table:
             str(r.errors),
             str(r.tokens),
             f"{r.aggregate_tok_s:.1f}",
-            ratio,
+            f"{r.aggregate_tok_s / base.aggregate_tok_s:.2f}x" if base else "-",
+            f"{r.aggregate_tok_s / other.aggregate_tok_s:.2f}x" if other else "-",
             f"{r.ttft_p50_ms:.0f}",
         )
     return out
@@ -259,7 +271,7 @@ def verdict(rows: list[Row]) -> list[str]:
     """The targets of the llama.cpp agent, each with its figures."""
     get = {(r.server, r.clients): r for r in rows}
     ours1, ours4 = get.get(("agent llama.cpp", 1)), get.get(("agent llama.cpp", 4))
-    peer4 = get.get(("llama-server -np 4", 4))
+    peer4 = get.get((PEER, 4))
     lines = []
     if ours1 and ours4:
         scale = ours4.aggregate_tok_s / ours1.aggregate_tok_s
@@ -289,7 +301,7 @@ def soak(gguf: Path, requests: int) -> None:
                         return
                     done += 1
                     n = done
-                stream_once(server.port, 4)
+                stream_once(server, 4)
                 if n in (100, requests) or n % 1000 == 0:
                     with lock:
                         marks.append((n, server.rss_mb()))
