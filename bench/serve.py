@@ -363,7 +363,7 @@ def main() -> None:
         f"SmolLM2-135M-Instruct Q8_0 / int8, {args.tokens} tokens per stream, greedy, 1 engine thread, "
         f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at the end"
     )
-    console = Console()
+    console = Console(width=150)  # the whole table on one screen, also when piped
     console.print(table(rows, title))
     for line in verdict(rows):
         console.print(line)
