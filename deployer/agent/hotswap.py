@@ -1,6 +1,8 @@
 """Zero-downtime model swaps: load the new model beside the old, warm it up, smoke-test it within the
-latency budget, then swap one reference. Requests hold a lease on the model they started with, so
-in-flight requests finish on the old model, which is unloaded when its last lease is returned.
+latency budget, then swap one reference. Each model has its own scheduler (engine thread, batch); a
+request is submitted to the scheduler of the model active when it arrived, so in-flight sequences
+finish in the old model's batch while new requests start in the new one's; the old scheduler
+drains its running and waiting requests, then unloads its engine on its own thread.
 
 If loading, warm-up or the smoke test fails, the old model keeps serving and the failure is returned
 (and logged) with its reason. When memory cannot hold two models, the `unload-first` policy drains and
@@ -21,6 +23,7 @@ from typing import Literal
 
 from deployer.agent.engines.base import ChatMessage, Engine, EngineInfo, SamplingParams
 from deployer.agent.notify import lifecycle_event
+from deployer.agent.scheduler import Scheduler, SchedulerCounts, SchedulerLimits
 from deployer.agent.settings import AgentSettings
 from deployer.agent.slot import ModelSlot
 
@@ -76,10 +79,16 @@ class ModelManager:
         engine_factory: Callable[[], Engine],
         settings: AgentSettings,
         on_swap: Callable[[SwapResult, str], None] | None = None,
+        on_counts: Callable[[SchedulerCounts], None] | None = None,
     ) -> None:
+        """`on_counts(counts)` receives the running and waiting requests of every loaded model
+        (the serving one and one still draining) whenever they change, e.g. to set gauges."""
         self._factory = engine_factory
         self._settings = settings
         self._on_swap = on_swap or (lambda result, reason: None)
+        self._on_counts = on_counts or (lambda counts: None)
+        self._schedulers: list[Scheduler] = []  # every scheduler whose thread has not stopped
+        self._counts_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._swap_lock = threading.Lock()
         self._active: ModelSlot | None = None
@@ -111,7 +120,8 @@ class ModelManager:
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[ModelSlot]:
-        """The active model, held for the duration of a request. Raises Unavailable if there is none."""
+        """The active model, held while a request is submitted to its scheduler (which then owns
+        it until it ends). Raises Unavailable if there is none."""
         while True:
             with self._state_lock:
                 slot = self._active
@@ -124,6 +134,18 @@ class ModelManager:
             yield slot
         finally:
             slot.release()
+
+    def counts(self) -> SchedulerCounts:
+        """Requests running and waiting on every loaded model (the active one and any draining)."""
+        with self._counts_lock:
+            counts = [s.counts() for s in self._schedulers]
+        return SchedulerCounts(sum(c.running for c in counts), sum(c.waiting for c in counts))
+
+    def _counts_changed(self) -> None:
+        with self._counts_lock:
+            self._schedulers = [s for s in self._schedulers if not s.stopped]
+            counts = [s.counts() for s in self._schedulers]
+            self._on_counts(SchedulerCounts(sum(c.running for c in counts), sum(c.waiting for c in counts)))
 
     def _unavailable_reason(self) -> str:
         if self._in_gap:
@@ -160,12 +182,20 @@ class ModelManager:
             self._on_swap(result, reason)
             return result
 
+    def cancel_all(self) -> None:
+        """Cancel every request of every loaded model (at shutdown)."""
+        with self._counts_lock:
+            schedulers = list(self._schedulers)
+        for scheduler in schedulers:
+            scheduler.cancel_all()
+
     def shutdown(self) -> None:
-        """Retire the active model (it unloads once in-flight requests finish)."""
+        """Retire the active model and wait (up to drain_timeout_s) until its engine is unloaded."""
         with self._state_lock:
             slot, self._active = self._active, None
         if slot is not None:
             slot.retire()
+            self._await_unloaded(slot)
 
     def _swap_side_by_side(self, artifact_dir: Path, version: str) -> SwapResult:
         started = time.monotonic()
@@ -173,7 +203,7 @@ class ModelManager:
         self._await_unloaded(self._previous)
         old = self._active
         try:
-            slot, smoke_ms = self._prepare(artifact_dir, version, started, serving=old)
+            slot, smoke_ms = self._prepare(artifact_dir, version, started)
         except _SwapFailed as failed:
             return self._result(
                 False, version, old, old, "side-by-side", failed.phase, failed.reason, started
@@ -244,35 +274,48 @@ class ModelManager:
             self._previous = previous
 
     def _prepare(
-        self, artifact_dir: Path, version: str, started: float, serving: ModelSlot | None = None
+        self, artifact_dir: Path, version: str, started: float
     ) -> tuple[ModelSlot, tuple[float, ...]]:
-        """Load, warm up and smoke-test a new engine; raise _SwapFailed (after unloading it) on failure.
+        """Load, warm up and smoke-test a new engine on its own scheduler; raise _SwapFailed (after
+        unloading it) on failure.
 
-        Warm-up and smoke take a turn on the `serving` model's lock, like one more request: on a small
-        device two models computing at once oversubscribe the cores and slow every request more.
+        Everything runs on the new engine's thread; the smoke prompts go through the scheduler, the
+        very path requests take.
         """
         engine = self._factory()
+        scheduler = Scheduler(
+            engine, self._limits(), name=f"engine-{version}", on_change=self._counts_changed
+        )
+        with self._counts_lock:
+            self._schedulers.append(scheduler)
         phase: Phase = "load"
         try:
-            engine.load(artifact_dir)
+            scheduler.run(lambda: engine.load(artifact_dir))
             self._check_deadline(started, phase)
             phase = "warmup"
-            wait_s = self._settings.readiness_timeout_s
-            with serving.turn(wait_s) if serving is not None else contextlib.nullcontext():
-                engine.warmup()
-                self._check_deadline(started, phase)
-                phase = "smoke"
-                smoke_ms = self._smoke(engine)
+            scheduler.run(engine.warmup)
             self._check_deadline(started, phase)
-            slot = ModelSlot(engine, artifact_dir, version)
+            phase = "smoke"
+            smoke_ms = self._smoke(engine, scheduler)
+            self._check_deadline(started, phase)
+            slot = ModelSlot(engine, scheduler, artifact_dir, version)
         except Exception as exc:
             # Any failure of a new model (including a crash in foreign code) must leave the old serving.
-            _quietly_unload(engine)
+            scheduler.close(final=lambda: _quietly_unload(engine))
             if isinstance(exc, _SwapFailed):
                 raise
             raise _SwapFailed(phase, f"{phase} failed: {type(exc).__name__}: {exc}") from exc
         self._last_load_s = time.monotonic() - started
         return slot, smoke_ms
+
+    def _limits(self) -> SchedulerLimits:
+        settings = self._settings
+        return SchedulerLimits(
+            batch_size=settings.max_concurrent,
+            queue_length=settings.queue_length,
+            queue_timeout_s=settings.request_timeout_s,
+            stall_timeout_s=settings.stall_timeout_s,
+        )
 
     def _check_deadline(self, started: float, phase: Phase) -> None:
         elapsed = time.monotonic() - started
@@ -282,7 +325,7 @@ class ModelManager:
                 f"not ready after {elapsed:.1f} s (readiness_timeout_s {self._settings.readiness_timeout_s})",
             )
 
-    def _smoke(self, engine: Engine) -> tuple[float, ...]:
+    def _smoke(self, engine: Engine, scheduler: Scheduler) -> tuple[float, ...]:
         """Answer each smoke prompt greedily within the latency budget; return the times in ms."""
         budget = self._settings.latency_budget_ms
         times = []
@@ -290,7 +333,8 @@ class ModelManager:
             t0 = time.monotonic()
             prompt = engine.chat_prompt([ChatMessage(role="user", content=smoke.prompt)])
             params = SamplingParams(max_tokens=smoke.max_tokens, temperature=0.0)
-            text = "".join(event.text for event in engine.stream(prompt, params))
+            with scheduler.submit(prompt, params) as generation:
+                text = "".join(event.text for event in generation)
             elapsed_ms = (time.monotonic() - t0) * 1000
             times.append(elapsed_ms)
             if elapsed_ms > budget:

@@ -5,8 +5,8 @@ a typo must not silently fall back to a default on a device nobody is watching. 
 
     host: 0.0.0.0            # beyond loopback: every route but /healthz, /readyz needs an API key
     port: 8080               # the admin surface (reload) is a unix socket, never this port
-    max_concurrent: 4        # requests admitted to the model at once; the engine runs them in turn
-    queue_length: 16         # beyond running + queued: 429 + Retry-After
+    max_concurrent: 4        # requests batched together on the model (the engine's KV-cache slots)
+    queue_length: 16         # waiting for a slot beyond those; more: 429 + Retry-After
     max_tokens: 512
     swap_policy: auto        # side-by-side when MemAvailable holds both models, else unload-first
     smoke_prompts:
@@ -30,6 +30,7 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from deployer.agent.fallback.settings import FallbackSettings
 from deployer.errors import ConfigError
@@ -56,7 +57,7 @@ class AgentSettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
-    max_concurrent: int = Field(default=4, ge=1, le=1024, description="requests generating at once")
+    max_concurrent: int = Field(default=4, ge=1, le=1024, description="requests batched together")
     queue_length: int = Field(default=16, ge=0, le=65536, description="requests waiting beyond those")
     max_request_bytes: int = Field(default=1 << 20, ge=1024)
     max_prompt_tokens: int = Field(default=1536, ge=1)
@@ -175,7 +176,7 @@ def load_settings(path: Path) -> AgentSettings:
         ) from exc
 
 
-def _finding(path: Path, root_node: yaml.Node | None, err: dict) -> str:
+def _finding(path: Path, root_node: yaml.Node | None, err: ErrorDetails) -> str:
     loc = tuple(err.get("loc", ()))
     dotted = ".".join(str(part) for part in loc) or "(top level)"
     line = _line_of(root_node, loc)

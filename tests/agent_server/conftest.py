@@ -9,7 +9,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from http.client import HTTPConnection
 from pathlib import Path
@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployer.agent.engines import make_engine
+from deployer.agent.engines.base import Engine, SamplingParams
 from deployer.agent.http.server import AgentServer
 from deployer.agent.settings import AgentSettings, SmokePrompt
 from deployer.agent.store import VersionRecord
@@ -175,29 +176,30 @@ def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 class GatedEngine:
     """A real engine whose long generations (max_tokens >= GATED_FROM) pause after their first token
-    until `gate` is set: a test can then act while a request is provably mid-generation. A wrapper,
-    not a fake: every token still comes from the real engine."""
+    until `gate` is set: a test can then act while a request is provably mid-generation. The pause
+    is the first decode step that includes a long generation's slot (the engine thread waits in it,
+    so the whole batch does). A wrapper, not a fake: every token still comes from the real engine."""
 
     GATED_FROM = 100
 
-    def __init__(self, engine: object, gate: threading.Event, generating: threading.Event) -> None:
+    def __init__(self, engine: Engine, gate: threading.Event, generating: threading.Event) -> None:
         self._engine = engine
         self._gate = gate
         self._generating = generating
+        self._long: set[int] = set()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._engine, name)
 
-    def stream(self, prompt, params):
-        events = self._engine.stream(prompt, params)
-        try:
-            for i, event in enumerate(events):
-                yield event
-                if i == 0 and params.max_tokens >= self.GATED_FROM:
-                    self._generating.set()
-                    assert self._gate.wait(60), "the test never opened the gate"
-        finally:
-            events.close()
+    def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
+        (self._long.add if params.max_tokens >= self.GATED_FROM else self._long.discard)(slot)
+        return self._engine.prefill(slot, prompt, params)
+
+    def step(self, slots: Sequence[int]) -> list[int]:
+        if self._long.intersection(slots):
+            self._generating.set()
+            assert self._gate.wait(60), "the test never opened the gate"
+        return self._engine.step(slots)
 
 
 @pytest.fixture

@@ -98,10 +98,10 @@ class HeldEngine:
     def __getattr__(self, name: str) -> object:
         return getattr(self._engine, name)
 
-    def stream(self, prompt, params):
+    def prefill(self, slot, prompt, params):
         self._waiting.set()
         assert self._release.wait(60), "the test never released the engine"
-        yield from self._engine.stream(prompt, params)
+        return self._engine.prefill(slot, prompt, params)
 
 
 class PacedEngine:
@@ -113,18 +113,21 @@ class PacedEngine:
         self._pause_s = pause_s
         self._gate = gate
         self._generating = generating
+        self._long: set[int] = set()  # slots running a long generation
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._engine, name)
 
-    def stream(self, prompt, params):
-        for i, event in enumerate(self._engine.stream(prompt, params)):
-            if i:
-                time.sleep(self._pause_s)  # the slowness under test, not a synchronisation
-            yield event
-            if i == 0 and params.max_tokens >= 100:
-                self._generating.set()
-                assert self._gate.wait(60), "the test never opened the gate"
+    def prefill(self, slot, prompt, params):
+        (self._long.add if params.max_tokens >= 100 else self._long.discard)(slot)
+        return self._engine.prefill(slot, prompt, params)
+
+    def step(self, slots):
+        if self._long.intersection(slots):  # a long generation has its first token: hold it
+            self._generating.set()
+            assert self._gate.wait(60), "the test never opened the gate"
+        time.sleep(self._pause_s)  # the slowness under test, not a synchronisation
+        return self._engine.step(slots)
 
 
 # -- a misbehaving upstream, for the tests that need one ------------------------------------------
@@ -326,13 +329,16 @@ def test_a_late_first_token_goes_upstream_and_a_stream_never_mixes(
     assert {c.model_extra["sits"]["served_by"] for c in chunks} == {"upstream"}
     assert "no first token within 50 ms" in chunks[0].model_extra["sits"]["detail"]
     release.set()  # the device's generation was cancelled: it frees its slot without answering
-    wait_until(lambda: edge.admission.counts().running == 0, "the device's cancelled request ends")
+    wait_until(lambda: edge.manager.counts().running == 0, "the device's cancelled request ends")
 
 
 def test_the_estimate_sends_a_request_upstream_before_it_starts(start_agent, fallback, model_name):
     gate, generating = threading.Event(), threading.Event()
     edge = start_agent(
-        factory=lambda: PacedEngine(0.2, gate, generating), max_tokens=150, fallback=fallback()
+        factory=lambda: PacedEngine(0.2, gate, generating),
+        max_tokens=150,
+        max_concurrent=1,  # the holder below takes the only slot: a newcomer must wait for it
+        fallback=fallback(),
     )
     # One timed request (4 tokens, so at least 0.6 s on the engine), then one that holds the engine.
     headers, _ = _chat(edge, model_name, max_tokens=4)

@@ -125,7 +125,7 @@ def test_health_ready_and_metrics(agent, client, model_name, http, wait_until):
         lambda: agent.metrics.value("sits_requests_total", endpoint="/v1/chat/completions", status="200"),
         "counted",
     )
-    wait_until(lambda: agent.admission.counts().running == 0, "slot returned")
+    wait_until(lambda: agent.manager.counts().running == 0, "slot returned")
     assert http(agent.port, "GET", "/healthz")[0] == 200
     status, _, body = http(agent.port, "GET", "/readyz")
     assert (status, body["version"]) == (200, "v1")

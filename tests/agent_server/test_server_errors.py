@@ -118,9 +118,10 @@ def test_no_model_loaded_is_503_with_retry_after(start_agent, http, chat_body):
 
 
 def _open_stream(port, body):
-    """Start a streamed chat on a raw socket and read until its first chunk (the role) arrived: the
-    generation has its slot then (the callers wait for `generating` to know it is mid-way; the
-    first token's text may be held back, a piece of a character, so no token chunk is awaited)."""
+    """Start a streamed chat on a raw socket and read until its first chunk (the assistant role)
+    arrived: the request has its slot and its first token then. Not until a token's text: a token
+    may hold part of a character only (the tiny model's byte tokens often do), which sends no chunk,
+    and a gated engine would hold the next one back until its gate's timeout."""
     body = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     sock.sendall(
@@ -136,7 +137,7 @@ def _open_stream(port, body):
 def test_over_capacity_is_429_with_retry_after(start_agent, gated, http, chat_body):
     factory, gate, generating = gated
     agent = start_agent(factory=factory, max_concurrent=1, queue_length=0, max_tokens=150)
-    sock = _open_stream(agent.port, chat_body(max_tokens=150, stream=True))
+    sock = _open_stream(agent.port, chat_body(max_tokens=150, temperature=0, stream=True))
     try:
         assert generating.wait(60)  # the stream holds the only slot until the gate opens
         status, headers, body = http(agent.port, "POST", "/v1/chat/completions", chat_body())
@@ -150,12 +151,12 @@ def test_over_capacity_is_429_with_retry_after(start_agent, gated, http, chat_bo
 def test_client_leaving_mid_stream_frees_its_slot(start_agent, gated, http, chat_body, wait_until):
     factory, gate, generating = gated
     agent = start_agent(factory=factory, max_concurrent=1, queue_length=0, max_tokens=150)
-    sock = _open_stream(agent.port, chat_body(max_tokens=150, stream=True))
+    sock = _open_stream(agent.port, chat_body(max_tokens=150, temperature=0, stream=True))
     assert generating.wait(60)
     sock.close()
     wait_until(metric_is(agent, "sits_requests_cancelled_total", 1, reason="disconnect"), "cancel")
     gate.set()
-    wait_until(lambda: agent.admission.counts().running == 0, "every slot returned")
+    wait_until(lambda: agent.manager.counts().running == 0, "every slot returned")
     status, _, _ = http(agent.port, "POST", "/v1/chat/completions", chat_body(max_tokens=1))
     assert status == 200
     wait_until(

@@ -162,14 +162,14 @@ def test_every_decode_runs_on_the_one_llama_thread_whichever_thread_asks(tiny_gg
     module docstring of llamacpp_engine), so decoding always happens on the same thread."""
     engine = _engine(tiny_gguf_dir)
     engine.warmup()  # on this (the main) thread's call
-    llm = engine._loaded.llm
-    real_eval, seen = llm.eval, []
+    batch = engine._loaded.batch
+    real_decode, seen = batch._decode, []
 
-    def eval_spy(tokens):  # the real eval, recording which thread runs it
+    def decode_spy():  # the real llama_decode call, recording which thread runs it
         seen.append(threading.current_thread().name)
-        return real_eval(tokens)
+        return real_decode()
 
-    llm.eval = eval_spy
+    batch._decode = decode_spy
     prompt = engine.chat_prompt(MESSAGES)
     workers = [
         threading.Thread(target=_run, args=(engine, prompt), kwargs={"max_tokens": 3}) for _ in range(2)

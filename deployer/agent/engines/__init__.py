@@ -11,9 +11,16 @@ ENGINE_NAMES = ("torch", "llama.cpp")
 
 
 def make_engine(
-    name: str, *, context_length: int = 2048, device: str = "cpu", threads: int | None = None
+    name: str,
+    *,
+    context_length: int = 2048,
+    device: str = "cpu",
+    threads: int | None = None,
+    slots: int | None = None,
 ) -> Engine:
-    """A new, unloaded engine of the named kind ("torch" or "llama.cpp").
+    """A new, unloaded engine of the named kind ("torch" or "llama.cpp"); `slots` is how many
+    sequences its batched step runs together (agent.yaml's max_concurrent; None: the engine's
+    default).
 
     Raises AgentError for an unknown name or an engine whose optional dependency is missing.
     """
@@ -21,7 +28,7 @@ def make_engine(
         # Imported here: torch takes seconds to import, and only the chosen engine should pay it.
         from deployer.agent.engines.torch_engine import TorchEngine
 
-        return TorchEngine(device=device, max_context=context_length, threads=threads)
+        return TorchEngine(device=device, max_context=context_length, threads=threads, slots=slots)
     if name == "llama.cpp":
         if device != "cpu":
             raise AgentError(
@@ -29,7 +36,7 @@ def make_engine(
             )
         from deployer.agent.engines.llamacpp_engine import LlamaCppEngine
 
-        return LlamaCppEngine(max_context=context_length, threads=threads)
+        return LlamaCppEngine(max_context=context_length, threads=threads, slots=slots)
     raise AgentError(
         f"unknown engine {name!r}", hint=f"agent.yaml `engine:` is one of {', '.join(ENGINE_NAMES)}"
     )

@@ -115,6 +115,17 @@ def token_budget(prompt: Sequence[int], params: SamplingParams, context_length: 
     return min(params.max_tokens, room)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids two sequences share (prefix reuse in a slot's cache; benches compare
+    greedy runs with it)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class Logprob:
     """One token's log-probability; `token` is its bytes (a piece of a character, possibly)."""
@@ -157,49 +168,57 @@ class EngineInfo:
 
 
 class Engine(abc.ABC):
-    """A loaded model. Not thread-safe: every call comes from one thread at a time.
+    """A loaded model. Every call that computes (load, warmup, stream, prefill, step, release,
+    unload) comes from one thread (the scheduler's engine thread); the text calls (chat_prompt,
+    encode, decode, end_ids, describe) may come from any thread, also while it generates.
 
-    Two ways to generate. `stream` runs one sequence to its end. The batched step interface
-    (`max_slots`, `prefill`, `step`, `release`) is what a scheduler drives to serve many requests
-    at once: each request owns a slot; requests join (prefill) and leave (release) between steps,
-    and one `step` advances every running slot by one token. An engine without batching keeps the
-    defaults below (`max_slots` 0) and is served through `stream`, one request at a time.
+    Two ways to generate. `stream` runs one sequence to its end (tests, benchmarks, warm-up).
+    The batched step interface (`max_slots`, `prefill`, `step`, `release`) is what the scheduler
+    drives to serve many requests at once: each request owns a slot; requests join (prefill) and
+    leave (release) between steps, and one `step` advances every running slot by one token; the
+    scheduler turns the ids into text with `decode` and ends a sequence on `end_ids`.
     """
 
     @property
+    @abc.abstractmethod
     def max_slots(self) -> int:
-        """How many sequences `step` can advance together (0: no batched interface)."""
-        return 0
+        """How many sequences `step` can advance together."""
 
+    @abc.abstractmethod
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
         """Start `slot` on `prompt` with its own sampling (seeded per request) and return the first
         generated token id. The slot's cache is written by position, so a prompt that shares a prefix
         with what the slot last held may skip that part. Raises AgentError for a bad slot, a prompt
         that does not fit, or bad parameters."""
-        raise AgentError(f"the {type(self).__name__} engine has no batched interface")
 
+    def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
+        """Which of the `free` slots `prompt` should go to: by default the first (the lowest, so an
+        engine that steps rows 0..max runs the smallest batch); an engine may pick the one whose
+        cache shares the longest prefix with it."""
+        return free[0]
+
+    @abc.abstractmethod
     def step(self, slots: Sequence[int]) -> list[int]:
         """One decode step for each of `slots` (each continues from its last token); the next token
         id of each, in the same order."""
-        raise AgentError(f"the {type(self).__name__} engine has no batched interface")
 
+    @abc.abstractmethod
     def release(self, slot: int) -> None:
         """End the sequence in `slot`; the slot may be prefilled again (its prefix kept for reuse)."""
-        raise AgentError(f"the {type(self).__name__} engine has no batched interface")
 
+    @abc.abstractmethod
     def logprobs(self, slot: int) -> TokenLogprobs | None:
         """The log-probabilities of the token the slot's last prefill or step chose (None unless its
         SamplingParams asked for logprobs)."""
-        raise AgentError(f"the {type(self).__name__} engine has no batched interface")
 
+    @abc.abstractmethod
     def decode(self, ids: list[int]) -> str:
-        """Ids to text, special tokens left out (a scheduler streams text through textstream)."""
-        raise AgentError(f"the {type(self).__name__} engine does not decode ids")
+        """Ids to text, special tokens left out (the scheduler streams text through textstream)."""
 
     @property
+    @abc.abstractmethod
     def end_ids(self) -> frozenset[int]:
         """Token ids that end generation (EOS, end of turn)."""
-        return frozenset()
 
     @abc.abstractmethod
     def load(self, artifact_dir: Path) -> None:

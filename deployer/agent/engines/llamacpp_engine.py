@@ -1,4 +1,5 @@
-"""The llama.cpp implementation of `Engine`: a GGUF artifact run by llama-cpp-python, on the CPU.
+"""The llama.cpp implementation of `Engine`: a GGUF artifact run by llama-cpp-python, on the CPU,
+with the batched step interface (several sequences per llama_decode, see llamacpp_batch).
 
 The GGUF is checked by our own reader (deployer.core.gguf_io) and against the artifact manifest
 before llama.cpp sees it, so a corrupt or lying file is refused with its name, not a crash in C.
@@ -20,7 +21,6 @@ which halved decode speed at 2 threads on 2 cores (32 against 76 tokens/s in-pro
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +31,6 @@ from typing import Any
 
 from deployer.agent.chat import ChatTemplate, infill_prompt
 from deployer.agent.engines.base import (
-    GREEDY_BELOW,
     ChatMessage,
     Engine,
     EngineInfo,
@@ -40,6 +39,7 @@ from deployer.agent.engines.base import (
     TokenLogprobs,
     token_budget,
 )
+from deployer.agent.engines.llamacpp_batch import BatchContext
 from deployer.agent.engines.logits import TokenProcessor, Vocabulary
 from deployer.agent.engines.textstream import token_events
 from deployer.core.gguf_io import GGUF_FILE, GGUFHeader, read_gguf_header
@@ -51,6 +51,9 @@ __all__ = ["LlamaCppEngine", "require_llama_cpp"]
 DEFAULT_MAX_CONTEXT = 2048
 WARMUP_MESSAGES = (ChatMessage("user", "Hello"),)
 WARMUP_TOKENS = 4
+DEFAULT_SLOTS = 4  # agent.yaml's default max_concurrent
+# The Llama object's own context only tokenizes (generation has a batched context of its own).
+_TOKENIZER_CONTEXT = 32
 INSTALL_HINT = "pip install 'sits-deployer[llamacpp]' (it compiles llama.cpp: several minutes, once)"
 # Token types that can end generation (gguf TokenType CONTROL, USER_DEFINED): few, so the
 # end-of-generation set is asked of llama.cpp once at load rather than per token.
@@ -58,18 +61,11 @@ _SPECIAL_TOKEN_TYPES = (3, 4)
 
 
 _LLAMA_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama.cpp")
-_END = object()
 
 
 def _on_llama_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """func(*args, **kwargs), run on the process's one llama.cpp thread; its exceptions propagate."""
     return _LLAMA_THREAD.submit(func, *args, **kwargs).result()
-
-
-def _advanced_on_llama_thread(tokens: Iterator[int]) -> Iterator[int]:
-    """The items of `tokens`, each one computed on the llama.cpp thread."""
-    while (token := _on_llama_thread(next, tokens, _END)) is not _END:
-        yield token
 
 
 def require_llama_cpp() -> Any:
@@ -88,6 +84,7 @@ class _Loaded:
     """What load() produced: the llama.cpp model and what we read about it ourselves."""
 
     llm: Any
+    batch: BatchContext
     header: GGUFHeader
     name: str
     version: str
@@ -99,14 +96,22 @@ class _Loaded:
 
 
 class LlamaCppEngine(Engine):
-    """Runs a GGUF artifact with llama.cpp, one sequence at a time."""
+    """Runs a GGUF artifact with llama.cpp: `slots` sequences batched together (see llamacpp_batch)."""
 
-    def __init__(self, *, max_context: int = DEFAULT_MAX_CONTEXT, threads: int | None = None) -> None:
-        """`max_context` caps the KV cache; `threads` is llama.cpp's thread count (default: the CPUs
-        this process may run on). Raises AgentError when llama-cpp-python is not installed."""
+    def __init__(
+        self,
+        *,
+        max_context: int = DEFAULT_MAX_CONTEXT,
+        threads: int | None = None,
+        slots: int | None = None,
+    ) -> None:
+        """`max_context` caps each slot's KV cache; `threads` is llama.cpp's thread count (default:
+        the CPUs this process may run on); `slots` how many sequences one step decodes together.
+        Raises AgentError when llama-cpp-python is not installed."""
         self._llama_cpp = require_llama_cpp()
         self._max_context = max_context
         self._threads = threads or len(os.sched_getaffinity(0))
+        self._slots = slots or DEFAULT_SLOTS
         self._loaded: _Loaded | None = None
         self._embedder: Any = None  # a llama.cpp context in embedding mode, made on first use
         self._busy = threading.Lock()
@@ -129,11 +134,13 @@ class LlamaCppEngine(Engine):
         name, version, quantization = _facts(artifact_dir, header)
         n_ctx = min(self._max_context, header.integer("llama.context_length") or self._max_context)
         try:
+            # The Llama object maps the weights and tokenizes; its own context is left tiny, since
+            # generation runs in the batched context below.
             llm = _on_llama_thread(
                 self._llama_cpp.Llama,
                 model_path=str(path),
-                n_ctx=n_ctx,
-                n_batch=min(512, n_ctx),
+                n_ctx=_TOKENIZER_CONTEXT,
+                n_batch=_TOKENIZER_CONTEXT,
                 n_threads=self._threads,
                 n_threads_batch=self._threads,
                 use_mmap=True,
@@ -141,6 +148,18 @@ class LlamaCppEngine(Engine):
             )
         except (ValueError, RuntimeError) as exc:  # llama-cpp-python's errors for a refused model
             raise AgentError(f"{path}: llama.cpp could not load the model: {exc}") from exc
+        try:
+            batch = _on_llama_thread(
+                BatchContext,
+                self._llama_cpp,
+                llm.model,
+                slots=self._slots,
+                context_length=n_ctx,
+                threads=self._threads,
+            )
+        except BaseException:
+            _on_llama_thread(llm.close)
+            raise
         template_source = header.string("tokenizer.chat_template")
         template = None
         if template_source:
@@ -148,6 +167,7 @@ class LlamaCppEngine(Engine):
         end_ids = self._end_ids(llm, header)
         self._loaded = _Loaded(
             llm=llm,
+            batch=batch,
             header=header,
             name=name,
             version=version,
@@ -161,7 +181,7 @@ class LlamaCppEngine(Engine):
     def _end_ids(self, llm: Any, header: GGUFHeader) -> frozenset[int]:
         """Tokens that end generation as llama.cpp itself decides (eos, eot, <|im_end|>, ...)."""
         vocab = self._llama_cpp.llama_model_get_vocab(llm.model)
-        types = header.metadata.get("tokenizer.ggml.token_type") or []
+        types = _array(header, "tokenizer.ggml.token_type")
         candidates = {i for i, kind in enumerate(types) if kind in _SPECIAL_TOKEN_TYPES}
         candidates.add(llm.token_eos())
         return frozenset(t for t in candidates if self._llama_cpp.llama_vocab_is_eog(vocab, t))
@@ -182,16 +202,16 @@ class LlamaCppEngine(Engine):
             pass
 
     def unload(self) -> None:
-        """Free the model (llama.cpp's context and the mapping); the engine cannot be used afterwards.
+        """Free the batched context and the model; the engine cannot be used afterwards.
 
-        A generation still running keeps its own reference and frees the model when it ends.
+        A stream() still running keeps its own reference and frees the model when it ends.
         """
         loaded, self._loaded = self._loaded, None
         embedder, self._embedder = self._embedder, None
         if embedder is not None:
             _on_llama_thread(embedder.close)
         if loaded is not None and not self._busy.locked():
-            _on_llama_thread(loaded.llm.close)
+            _on_llama_thread(_close, loaded)
 
     # -- text ------------------------------------------------------------------------------
 
@@ -261,51 +281,78 @@ class LlamaCppEngine(Engine):
 
     # -- generation ------------------------------------------------------------------------
 
-    def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
-        """Generate from `prompt`; see Engine.stream. Raises AgentError for a prompt that does not
-        fit the context, bad sampling parameters, or a call while another generation runs."""
+    @property
+    def max_slots(self) -> int:
+        """How many sequences one step decodes together (the context's n_seq_max)."""
+        return self._slots
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """Tokens that end generation, as llama.cpp decides (eos, eot, <|im_end|>, ...)."""
+        return self._require().end_ids
+
+    def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
+        """See Engine.choose_slot: the free slot holding the longest prefix of `prompt`."""
+        return self._require().batch.choose_slot(free, prompt)
+
+    def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
+        """See Engine.prefill; computed on the llama.cpp thread."""
         loaded = self._require()
-        return self._generate(loaded, prompt, params, token_budget(prompt, params, loaded.llm.n_ctx()))
+        processor = self._processor(loaded, params)
+        return _on_llama_thread(loaded.batch.prefill, slot, list(prompt), params, processor)
+
+    def step(self, slots: Sequence[int]) -> list[int]:
+        """See Engine.step: one llama_decode for all `slots`, on the llama.cpp thread."""
+        return _on_llama_thread(self._require().batch.step, list(slots))
+
+    def logprobs(self, slot: int) -> TokenLogprobs | None:
+        """See Engine.logprobs."""
+        return self._require().batch.logprobs(slot)
+
+    def release(self, slot: int) -> None:
+        """See Engine.release; the slot's cache stays for prefix reuse."""
+        _on_llama_thread(self._require().batch.release, slot)
+
+    def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
+        """Generate from `prompt` in slot 0; see Engine.stream. Raises AgentError for a prompt that
+        does not fit the context, bad sampling parameters, or a call while another stream runs.
+        Not for use beside a scheduler driving the same engine (both would use slot 0)."""
+        loaded = self._require()
+        budget = token_budget(prompt, params, loaded.batch.context_length)
+        return self._generate(loaded, prompt, params, budget)
 
     def _generate(
         self, loaded: _Loaded, prompt: list[int], params: SamplingParams, budget: int
     ) -> Iterator[TokenEvent]:
         # Taken on the first next(), inside the generator, so an iterator that is never started
-        # holds nothing; closing it mid-run (client gone) stops llama.cpp's loop (finally).
+        # holds nothing; closing it mid-run (client gone) releases the slot (finally).
         if not self._busy.acquire(blocking=False):
             raise AgentError("the engine is already generating", hint="serialize calls to stream()")
-        tokens = None
         try:
-            # A fresh seed when none is asked for: the last request's must not repeat its answers.
-            loaded.llm.set_seed(secrets.randbits(31) if params.seed is None else params.seed % 2**32)
-            greedy = params.temperature < GREEDY_BELOW
-            processor = TokenProcessor(params, loaded.vocab) if params.processed else None
-            # top_k 0 and min_p 0 switch those samplers off: OpenAI's API has neither. Penalties and
-            # bias are our processor's (the same as the torch engine's), llama.cpp's are off.
-            tokens = loaded.llm.generate(
-                prompt,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                min_p=0.0,
-                temp=0.0 if greedy else params.temperature,
-                repeat_penalty=1.0,
-                logits_processor=None if processor is None else [lambda _ids, row: processor.process(row)],
-            )
-            picked = _Picked(processor)
             yield from token_events(
-                picked.follow(_advanced_on_llama_thread(tokens)),
+                self._tokens(loaded, prompt, params),
                 self._decoder(loaded),
                 stops=params.stop,
                 end_ids=loaded.end_ids,
                 budget=budget,
-                logprobs=(lambda: picked.logprobs) if params.logprobs is not None else None,
+                logprobs=(lambda: loaded.batch.logprobs(0)) if params.logprobs is not None else None,
             )
         finally:
-            if tokens is not None:
-                _on_llama_thread(tokens.close)
+            _on_llama_thread(loaded.batch.release, 0)
             self._busy.release()
             if self._loaded is not loaded:  # unloaded while this generation ran: free it now
-                _on_llama_thread(loaded.llm.close)
+                _on_llama_thread(_close, loaded)
+
+    def _tokens(self, loaded: _Loaded, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+        yield _on_llama_thread(loaded.batch.prefill, 0, prompt, params, self._processor(loaded, params))
+        while True:
+            yield _on_llama_thread(loaded.batch.step, [0])[0]
+
+    @staticmethod
+    def _processor(loaded: _Loaded, params: SamplingParams) -> TokenProcessor | None:
+        """The request's logit processing (bias, penalties, grammar, logprobs), or None without.
+        llama.cpp's own penalties stay off, so both engines count them the same way."""
+        return TokenProcessor(params, loaded.vocab) if params.processed else None
 
     @staticmethod
     def _decoder(loaded: _Loaded) -> Any:
@@ -323,9 +370,10 @@ class LlamaCppEngine(Engine):
             quantization=loaded.quantization,
             kernel=f"ggml-cpu {loaded.quantization}",
             device="cpu",
-            context_length=loaded.llm.n_ctx(),
+            context_length=loaded.batch.context_length,
             extra={
                 "threads": str(self._threads),
+                "slots": str(self._slots),
                 "gguf": str(loaded.header.path),
                 "mmap": "true",
                 "llama_cpp_python": getattr(self._llama_cpp, "__version__", "unknown"),
@@ -339,20 +387,10 @@ class LlamaCppEngine(Engine):
         return self._loaded
 
 
-class _Picked:
-    """Hands each token llama.cpp picked to the request's processor (penalty counts, grammar state)
-    before the next one is computed, keeping its logprobs."""
-
-    def __init__(self, processor: TokenProcessor | None) -> None:
-        self._processor = processor
-        self.logprobs: TokenLogprobs | None = None
-
-    def follow(self, tokens: Iterator[int]) -> Iterator[int]:
-        """`tokens`, each accepted by the processor as it passes."""
-        for token in tokens:
-            if self._processor is not None:
-                self.logprobs = self._processor.accept(token)
-            yield token
+def _close(loaded: _Loaded) -> None:
+    """Free the batched context, then the model it was made from (llama.cpp thread)."""
+    loaded.batch.close()
+    loaded.llm.close()
 
 
 def _facts(artifact_dir: Path, header: GGUFHeader) -> tuple[str, str, str]:
@@ -375,11 +413,17 @@ def _facts(artifact_dir: Path, header: GGUFHeader) -> tuple[str, str, str]:
 
 def _special_tokens(header: GGUFHeader) -> dict[str, str]:
     """bos_token/eos_token/... for the chat template, from the GGUF's token list."""
-    tokens = header.metadata.get("tokenizer.ggml.tokens") or []
+    tokens = _array(header, "tokenizer.ggml.tokens")
     found = {}
     for key in ("bos", "eos", "unknown", "padding"):
         token_id = header.integer(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None and 0 <= token_id < len(tokens):
             name = {"unknown": "unk", "padding": "pad"}.get(key, key)
-            found[f"{name}_token"] = tokens[token_id]
+            found[f"{name}_token"] = str(tokens[token_id])
     return found
+
+
+def _array(header: GGUFHeader, key: str) -> list[object]:
+    """An array metadata value, or [] when absent or not an array."""
+    value = header.metadata.get(key)
+    return value if isinstance(value, list) else []

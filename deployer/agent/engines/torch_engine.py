@@ -31,6 +31,7 @@ from deployer.agent.engines.base import (
     SamplingParams,
     TokenEvent,
     TokenLogprobs,
+    common_prefix,
     token_budget,
 )
 from deployer.agent.engines.llama import as_token_ids
@@ -494,16 +495,6 @@ def _samplers_for(states: Sequence[_Slot], slots: Sequence[int]) -> list[Sampler
     for s, state in zip(slots, states, strict=True):
         rows[s] = state.sampler or _GREEDY
     return rows
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids two sequences share (prefix reuse; benches compare greedy runs with it)."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _prepare(

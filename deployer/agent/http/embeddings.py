@@ -2,8 +2,9 @@
 L2-normalised, computed by the engine), as floats or as base64 of little-endian float32 (what the
 official client asks for by default).
 
-An embedding takes the same admission slot and model lease as a generation and runs on a worker
-thread holding the engine, so it queues behind running generations rather than racing them.
+An embedding holds a lease on the active model and runs on its engine thread between two decode
+steps (the scheduler's `run`), so it never races the batch; a long one delays the batch's next
+step by its own duration.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import numpy as np
 
 from deployer.agent.engines.base import EngineInfo
 from deployer.agent.hotswap import ModelManager
-from deployer.agent.http.admission import Admission
 from deployer.agent.http.generate import api_error
 from deployer.agent.http.openai_schemas import ApiError, EmbeddingRequest
 
@@ -35,18 +35,16 @@ class Embedded:
 
 async def embed(
     manager: ModelManager,
-    admission: Admission,
     texts: list[str],
-    timeout_s: float,
     check: Callable[[EngineInfo], None],
 ) -> Embedded:
     """Embed `texts` with the active model after `check` accepts it (it raises ApiError 404 for
     another model's name); ApiError for every failure."""
 
     def run() -> Embedded:
-        with admission.slot(timeout_s), manager.lease() as slot:
+        with manager.lease() as slot:
             check(slot.info)
-            vectors, tokens = slot.call(lambda engine: engine.embed(texts), timeout_s)
+            vectors, tokens = slot.scheduler.run(lambda: slot.engine.embed(texts))
             return Embedded(vectors, tokens, slot.info)
 
     try:

@@ -1,13 +1,12 @@
 """The one seam between the HTTP layer and generation: `TokenSource.start(job)` gives a running
 `Generation` whose token events are read asynchronously and which can be cancelled.
 
-Everything the routes know of the model goes through it. `SlotTokenSource` is today's path: the
-model manager's lease, admission control and `ModelSlot.stream`, run on a worker thread per
-request so that the event loop never blocks on the engine. Tokens travel through a bounded queue:
-a client that reads slowly only fills its own queue, the worker then waits, and when the client is
-gone or stalled the route cancels the generation; the worker sees that at its next token and
-closes the engine stream, which frees the engine. A scheduler that owns the engine replaces this
-class with one implementing the same `start`.
+Everything the routes know of the model goes through it. `SchedulerTokenSource` takes a lease on
+the active model, tokenizes the job and submits it to that model's scheduler (on a worker thread:
+a long prompt must not hold the event loop), then awaits its first event on the loop. The
+scheduler batches it with the others, bounds its waiting queue, and hands its tokens over through
+a bounded buffer: a client that reads slowly only pauses its own sequence; when the client is gone
+or stalled the route cancels the generation and the scheduler frees its slot at the next step.
 
 `LoadReport` is what a local source tells the edge-cloud fallback (deployer/agent/fallback) before
 a job starts: whether it can serve at all, and when the job's first token would come. The fallback
@@ -18,37 +17,33 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from deployer.agent import scheduler
 from deployer.agent.engines.base import ChatMessage, Engine, EngineInfo, SamplingParams, TokenEvent
 from deployer.agent.hotswap import ModelManager, Unavailable
-from deployer.agent.http.admission import Admission, Overloaded, QueueTimeout
 from deployer.agent.http.openai_schemas import ApiError, ChatCompletionRequest, CompletionRequest
 from deployer.agent.http.timing import ServiceTimes
 from deployer.agent.notify import lifecycle_event
+from deployer.agent.scheduler import EngineStopped, Overloaded, QueueTimeout
 from deployer.errors import AgentError, SitsError
 
 __all__ = [
-    "QUEUE_EVENTS",
     "Cancelled",
     "EdgeStatus",
     "Generation",
     "Job",
     "LoadReport",
     "Metered",
+    "SchedulerTokenSource",
     "ServedBy",
-    "SlotTokenSource",
     "Started",
     "TokenSource",
     "api_error",
 ]
-
-QUEUE_EVENTS = 64  # token events buffered per request between the engine and the client
 
 
 @dataclass(frozen=True)
@@ -60,7 +55,6 @@ class Job:
     messages: tuple[ChatMessage, ...] | None
     text: str | None
     plan: Callable[[int, EngineInfo], SamplingParams]
-    timeout_s: float
     request: ChatCompletionRequest | CompletionRequest | None = None  # as the client sent it
     fallback: bool = True  # False: the device's own model answers (`x-sits-fallback: off`)
     tools: tuple[dict, ...] | None = None
@@ -152,151 +146,118 @@ class TokenSource(Protocol):
         ...
 
 
-_END = object()
-_CANCELLED = object()
+class _Running:
+    """A scheduler's generation as the routes read it: ApiError for failures, Cancelled at a cancel."""
 
-
-class _ThreadGeneration:
-    """A generation produced by a worker thread into a bounded asyncio queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue[object] = asyncio.Queue(QUEUE_EVENTS)
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._pending: concurrent.futures.Future | None = None
-        self.started: Started
-
-    # -- worker side -------------------------------------------------------------------------------
-
-    @property
-    def cancelled(self) -> bool:
-        """Whether cancel() was called (read by the worker)."""
-        return self._cancelled
-
-    def put(self, item: object) -> bool:
-        """Queue one item, waiting while the queue is full; False once cancelled (stop producing)."""
-        with self._lock:
-            if self._cancelled:
-                return False
-            try:
-                future = asyncio.run_coroutine_threadsafe(self._queue.put(item), self._loop)
-            except RuntimeError:  # the event loop is closed: nobody will read
-                return False
-            self._pending = future
-        try:
-            future.result()
-        except (concurrent.futures.CancelledError, RuntimeError):
-            return False
-        return True
-
-    # -- event loop side ---------------------------------------------------------------------------
+    def __init__(
+        self,
+        generation: scheduler.Generation,
+        started: Started,
+        done: Callable[[float, float, int], None],
+    ) -> None:
+        """`done(first, ended, tokens)` is told the times of a generation that finished."""
+        self._generation = generation
+        self.started = started
+        self._done = done
 
     async def first(self) -> None:
-        """Wait for Started (or the error that came instead)."""
-        item = await self._queue.get()
-        if item is _CANCELLED:
-            raise Cancelled()
-        if isinstance(item, BaseException):
-            raise item
-        assert isinstance(item, Started)
-        self.started = item
+        """Wait for the first event: raises what the request met instead (queue timeout, refused)."""
+        await self._generation.await_started()
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """See Generation.events."""
-        while True:
-            item = await self._queue.get()
-            if item is _END:
-                return
-            if item is _CANCELLED:
-                raise Cancelled()
-            if isinstance(item, BaseException):
-                raise item
-            assert isinstance(item, TokenEvent)
-            yield item
+        first, tokens = 0.0, 0
+        try:
+            async for event in self._generation:
+                first = first or time.monotonic()
+                tokens += event.token_id is not None
+                yield event
+                if event.finish_reason is not None:
+                    self._done(first, time.monotonic(), tokens)
+                    return
+        except Exception as exc:
+            # Headers are sent by now: whatever failed is the server's fault, not the request's.
+            lifecycle_event("generation-failed", version=None, reason=f"{type(exc).__name__}: {exc}")
+            raise ApiError(
+                500, f"generation failed: {exc}", type_="server_error", code="engine_error"
+            ) from exc
+        raise Cancelled()  # the scheduler ends a generation without a finish reason only when cancelled
 
     def cancel(self) -> None:
-        """See Generation.cancel (event loop thread only)."""
-        with self._lock:
-            if self._cancelled:
-                return
-            self._cancelled = True
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.cancel()  # a worker blocked on a full queue wakes up and stops
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self._queue.put_nowait(_CANCELLED)  # wakes a reader waiting for the next event
+        """See Generation.cancel."""
+        self._generation.cancel()
 
 
-class SlotTokenSource:
-    """Today's path: admission, a lease on the active model, and its engine's `stream`."""
+class SchedulerTokenSource:
+    """Generations on the active model's scheduler (see the module docstring)."""
 
-    def __init__(self, manager: ModelManager, admission: Admission) -> None:
+    def __init__(self, manager: ModelManager, slots: int) -> None:
+        """`slots`: how many sequences the active model's batch runs at once (max_concurrent)."""
         self._manager = manager
-        self._admission = admission
-        self._live: set[_ThreadGeneration] = set()
-        self._live_lock = threading.Lock()
+        self._slots = slots
         self._times = ServiceTimes()
 
     def edge_status(self) -> EdgeStatus:
-        """See LoadReport."""
+        """See LoadReport: busy once a newcomer would wait for a slot."""
         if not self._manager.ready:
             return "offline"
-        counts = self._admission.counts()
-        # The engine runs one request at a time: anyone running means a newcomer waits.
-        return "busy" if counts.running or counts.waiting else "ready"
+        return "busy" if self._ahead() else "ready"
 
     def first_token_estimate(self, job: Job) -> float | None:
-        """See LoadReport: every admitted request (running or waiting) is ahead of `job`."""
-        counts = self._admission.counts()
-        return self._times.first_token_estimate(counts.running + counts.waiting, job.prompt_chars())
+        """See LoadReport: with a free slot, only the job's own prefill; with none, every request
+        that must finish before one frees up (running ones beyond the slots, and the waiting)."""
+        return self._times.first_token_estimate(self._ahead(), job.prompt_chars())
+
+    def _ahead(self) -> int:
+        counts = self._manager.counts()
+        return max(0, counts.running + counts.waiting + 1 - self._slots)
 
     async def start(self, job: Job) -> Generation:
         """See TokenSource.start."""
-        generation = _ThreadGeneration(asyncio.get_running_loop())
-        with self._live_lock:
-            self._live.add(generation)
-        worker = threading.Thread(target=self._run, args=(generation, job), name="sits-generate", daemon=True)
-        worker.start()
+        submitted = _WORKERS.submit(self._submit, job)
         try:
-            await generation.first()
-        except BaseException:
-            generation.cancel()
+            running = await asyncio.wrap_future(submitted)
+        except asyncio.CancelledError:
+            # The client left while the job was tokenized: cancel what the worker submits.
+            submitted.add_done_callback(_cancel_submitted)
             raise
-        return generation
+        except Exception as exc:
+            raise api_error(exc) from None
+        try:
+            await running.first()
+        except BaseException as exc:
+            running.cancel()
+            if isinstance(exc, Exception):
+                raise api_error(exc) from None
+            raise
+        return running
 
     def cancel_all(self) -> None:
-        """See TokenSource.cancel_all (event loop thread)."""
-        with self._live_lock:
-            live = list(self._live)
-        for generation in live:
-            generation.cancel()
+        """See TokenSource.cancel_all."""
+        self._manager.cancel_all()
 
-    def _run(self, generation: _ThreadGeneration, job: Job) -> None:
-        try:
-            with self._admission.slot(job.timeout_s), self._manager.lease() as slot:
-                if generation.cancelled:  # the client left while this request waited
-                    return
-                prompt = slot.call(lambda engine: _tokenize(engine, job), job.timeout_s)
-                params = job.plan(len(prompt), slot.info)
-                with contextlib.closing(slot.stream(prompt, params, job.timeout_s)) as events:
-                    if not generation.put(Started(slot.info, len(prompt))):
-                        return
-                    began, first, tokens = time.monotonic(), None, 0
-                    for event in events:
-                        first = first or time.monotonic()
-                        tokens += event.token_id is not None
-                        if not generation.put(event):
-                            return  # cancelled: closing the stream frees the engine
-                    if first is not None:
-                        self._times.add(began, first, time.monotonic(), job.prompt_chars(), tokens)
-                generation.put(_END)
-        except BaseException as exc:
-            generation.put(api_error(exc))
-        finally:
-            with self._live_lock:
-                self._live.discard(generation)
+    def _submit(self, job: Job) -> _Running:
+        """Tokenize, plan and queue `job` on the active model (a worker thread)."""
+        began = time.monotonic()
+        with self._manager.lease() as slot:
+            prompt = _tokenize(slot.engine, job)
+            params = job.plan(len(prompt), slot.info)
+            generation = slot.scheduler.submit(prompt, params)
+
+        def done(first: float, ended: float, tokens: int) -> None:
+            self._times.add(began, first, ended, job.prompt_chars(), tokens)
+
+        return _Running(generation, Started(slot.info, len(prompt)), done)
+
+
+# Tokenizing is short but not free (a prompt of max_request_bytes takes a while): off the event loop,
+# on a few threads (the GIL-bound work gains nothing from more).
+_WORKERS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sits-submit")
+
+
+def _cancel_submitted(submitted: concurrent.futures.Future) -> None:
+    if not submitted.cancelled() and submitted.exception() is None:
+        submitted.result().cancel()
 
 
 def _tokenize(engine: Engine, job: Job) -> list[int]:
@@ -310,8 +271,8 @@ def _tokenize(engine: Engine, job: Job) -> list[int]:
     return engine.encode(job.text or "")
 
 
-def api_error(exc: BaseException) -> BaseException:
-    """The ApiError a failure of the worker answers as."""
+def api_error(exc: BaseException) -> ApiError:
+    """The ApiError a request that could not start answers with."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, Overloaded):
@@ -320,7 +281,7 @@ def api_error(exc: BaseException) -> BaseException:
             f"the agent is at capacity ({exc}); retry later",
             type_="rate_limit_error",
             code="overloaded",
-            headers={"Retry-After": "1"},
+            headers={"Retry-After": str(exc.retry_after_s)},
         )
     if isinstance(exc, QueueTimeout):
         return ApiError(
@@ -328,15 +289,16 @@ def api_error(exc: BaseException) -> BaseException:
             f"{exc}; retry later",
             type_="server_error",
             code="queue_timeout",
-            headers={"Retry-After": "1"},
+            headers={"Retry-After": str(exc.retry_after_s)},
         )
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, Unavailable | EngineStopped):
+        retry_after_s = exc.retry_after_s if isinstance(exc, Unavailable) else 1
         return ApiError(
             503,
             str(exc),
             type_="server_error",
             code="model_unavailable",
-            headers={"Retry-After": str(exc.retry_after_s)},
+            headers={"Retry-After": str(retry_after_s)},
         )
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch.cuda's too
         return ApiError(
@@ -347,9 +309,7 @@ def api_error(exc: BaseException) -> BaseException:
             headers={"Retry-After": "1"},
         )
     if isinstance(exc, SitsError):
-        # Raised by the engine before or while generating (tokenizing, refused parameters).
+        # Raised before the first token (tokenizing, the engine refusing the prompt or parameters).
         return ApiError(400, exc.message, code="invalid_request")
-    if isinstance(exc, Exception):
-        lifecycle_event("generation-failed", version=None, reason=f"{type(exc).__name__}: {exc}")
-        return ApiError(500, f"generation failed: {exc}", type_="server_error", code="engine_error")
-    return exc
+    lifecycle_event("generation-failed", version=None, reason=f"{type(exc).__name__}: {exc}")
+    return ApiError(500, f"generation failed: {exc}", type_="server_error", code="engine_error")

@@ -30,13 +30,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployer.agent.engines.base import EngineInfo, SamplingParams, TokenEvent
 from deployer.agent.hotswap import ModelManager, SwapResult
-from deployer.agent.http.admission import Admission
 from deployer.agent.http.auth import KeyRing
 from deployer.agent.http.choices import Choice, Kind, envelope
 from deployer.agent.http.constraints import grammar_for
 from deployer.agent.http.embeddings import embed, embedding_body
 from deployer.agent.http.generate import (
-    QUEUE_EVENTS,
     Cancelled,
     Generation,
     Job,
@@ -83,7 +81,6 @@ class AgentApp(Protocol):
     settings: AgentSettings
     metrics: AgentMetrics
     manager: ModelManager
-    admission: Admission
     source: TokenSource
     store: DeviceStore
     keyring: KeyRing
@@ -349,14 +346,7 @@ def _generation_routes(server: AgentApp) -> list[Route]:
     async def embeddings(request: Request) -> Response:
         body = parse_request(EmbeddingRequest, await read_json(request, server.settings))
         report_ignored(server, body)
-        timeout = server.settings.request_timeout_s
-        done = await embed(
-            server.manager,
-            server.admission,
-            body.texts(),
-            timeout,
-            lambda info: check_model(body.model, info),
-        )
+        done = await embed(server.manager, body.texts(), lambda info: check_model(body.model, info))
         return JSONResponse(embedding_body(body, done, model_id(done.info)))
 
     return [
@@ -452,7 +442,6 @@ def _jobs(
             messages=messages,
             text=text,
             plan=functools.partial(_plan, body, settings=settings, grammar=grammar, index=i),
-            timeout_s=settings.request_timeout_s,
             tools=tuple(tools) if tools else None,
             suffix=suffix,
             request=body,
@@ -534,6 +523,9 @@ def served_headers(served: ServedBy) -> dict[str, str]:
     return headers
 
 
+_CHOICE_EVENTS = 64  # events of a request's n choices buffered between their readers and the answer
+
+
 class _Run:
     """One request's generations, one per choice: id, model, tokens, finish reasons, and the
     latency metrics. The first generation is started by the route (so its errors are the HTTP
@@ -609,7 +601,7 @@ class _Run:
         return event
 
     async def _merged(self) -> AsyncIterator[tuple[int, TokenEvent]]:
-        queue: asyncio.Queue[tuple[int, TokenEvent | BaseException | None]] = asyncio.Queue(QUEUE_EVENTS)
+        queue: asyncio.Queue[tuple[int, TokenEvent | BaseException | None]] = asyncio.Queue(_CHOICE_EVENTS)
 
         async def pump(index: int) -> None:
             try:

@@ -44,13 +44,13 @@ from deployer.agent.engines.base import Engine
 from deployer.agent.fallback.source import FallbackSource
 from deployer.agent.hotswap import ModelManager, SwapResult
 from deployer.agent.http.admin import build_admin
-from deployer.agent.http.admission import Admission
 from deployer.agent.http.auth import KeyRing, load_keyring
-from deployer.agent.http.generate import SlotTokenSource, TokenSource
+from deployer.agent.http.generate import SchedulerTokenSource, TokenSource
 from deployer.agent.http.metrics import AgentMetrics
 from deployer.agent.http.protocol import ConnectionLimits, own_uids, protocol_class
 from deployer.agent.http.routes import build_api
 from deployer.agent.notify import Notifier, Watchdog, configure_journal_logging, lifecycle_event
+from deployer.agent.scheduler import SchedulerCounts
 from deployer.agent.settings import AgentSettings
 from deployer.agent.store import DeviceStore
 from deployer.errors import AgentError
@@ -63,7 +63,8 @@ _LOOP_CHECK_S = 5.0
 
 
 class AgentServer:
-    """The model manager, admission control, metrics and the two listeners of one agent."""
+    """The model manager (each loaded model with its scheduler), metrics and the two listeners of
+    one agent."""
 
     def __init__(
         self,
@@ -76,8 +77,9 @@ class AgentServer:
         self.metrics = AgentMetrics()
         self.notifier = notifier or Notifier()
         self.store = DeviceStore(settings.root)
-        self.manager = ModelManager(engine_factory, settings, on_swap=self._record_swap)
-        self.admission = Admission(settings.max_concurrent, settings.queue_length, self._record_counts)
+        self.manager = ModelManager(
+            engine_factory, settings, on_swap=self._record_swap, on_counts=self._record_counts
+        )
         self.source: TokenSource = self._token_source()
         self.keyring: KeyRing = self._read_keys()
         self._servers: list[uvicorn.Server] = []
@@ -87,7 +89,7 @@ class AgentServer:
 
     def _token_source(self) -> TokenSource:
         """The device's own source, behind the edge-cloud fallback when agent.yaml configures one."""
-        local = SlotTokenSource(self.manager, self.admission)
+        local = SchedulerTokenSource(self.manager, self.settings.max_concurrent)
         fallback = self.settings.fallback
         if fallback is None:
             return local
@@ -270,9 +272,9 @@ class AgentServer:
                 device=info.device,
             ).set(1)
 
-    def _record_counts(self, running: int, waiting: int) -> None:
-        self.metrics.running.set(running)
-        self.metrics.waiting.set(waiting)
+    def _record_counts(self, counts: SchedulerCounts) -> None:
+        self.metrics.running.set(counts.running)
+        self.metrics.waiting.set(counts.waiting)
 
 
 def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | None = None) -> None:
@@ -291,6 +293,7 @@ def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | N
                 context_length=settings.context_length,
                 device=settings.device,
                 threads=settings.threads,
+                slots=settings.max_concurrent,
             )
 
     server = AgentServer(settings, engine_factory)

@@ -1,0 +1,373 @@
+"""Serving bench: concurrent streaming clients against the HTTP agent (llama.cpp and torch engines)
+and, in the same run, llama.cpp's own C++ server; aggregate tokens/s and p50 time to first token.
+
+Every server runs in its own process; this process is the client (raw HTTP/1.1 and SSE parsing, so
+the client costs little of the two cores). For each server and each client count (1, 4, 16), every
+client streams `--requests` chat completions of `--tokens` tokens one after the other (greedy, the
+same prompt); a row's aggregate is all streamed tokens over the row's wall time, its TTFT the median
+over all its requests.
+
+* `agent llama.cpp`: `AgentServer` on the Q8_0 GGUF artifact, max_concurrent 16 (the batch);
+* `agent torch`: the same server with the torch engine on the int8 safetensors artifact;
+* `llama-server -np 4`: built from the llama.cpp sources the llama-cpp-python sdist vendors, cached
+  under ~/.cache/sits-deployer/llama-server (see `--llama-server`); flash attention off, as ours.
+
+Targets (2 CPU cores, 1 engine thread): llama.cpp agent at 4 clients >= 2x its single-client
+aggregate and >= llama-server at 4 clients; its p50 TTFT at 4 clients <= 2x single.
+
+`--soak N` instead sends N short requests to the llama.cpp agent and prints its RSS after 100 and
+after N, and the slope (the growth per 1,000 requests, and extrapolated to 72 hours at that rate).
+
+    python bench/serve.py                        # the table
+    python bench/serve.py --soak 10000           # the memory soak
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from http.client import HTTPConnection
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from llamacpp import MESSAGES, artifacts  # noqa: E402 (bench/llamacpp.py: the same artifacts)
+
+from deployer.core.gguf_io import GGUF_FILE  # noqa: E402
+
+CLIENTS = (1, 4, 16)
+LLAMA_SERVER = Path.home() / ".cache" / "sits-deployer" / "llama-server"
+CONTEXT = 512  # per sequence: the prompt (~30 tokens) and 128 answer tokens fit
+
+
+@dataclass(frozen=True)
+class Row:
+    """One server at one client count."""
+
+    server: str
+    clients: int
+    requests: int
+    tokens: int
+    aggregate_tok_s: float
+    ttft_p50_ms: float
+    errors: int  # requests refused (429, or 503 after request_timeout_s in the queue)
+
+
+# -- servers -------------------------------------------------------------------------------------
+
+
+def child_agent(engine: str, artifact_dir: Path, threads: int) -> None:
+    """An agent on 127.0.0.1 serving the artifact; prints its port, serves until stdin closes."""
+    from deployer.agent.engines import make_engine
+    from deployer.agent.http.server import AgentServer
+    from deployer.agent.settings import AgentSettings
+
+    settings = AgentSettings(
+        port=0,
+        root=Path(tempfile.mkdtemp(prefix="sits-bench-")),  # its own admin socket and key file
+        engine=engine,
+        threads=threads,
+        max_concurrent=16,
+        queue_length=64,
+        context_length=CONTEXT,
+        max_prompt_tokens=CONTEXT // 2,
+        latency_budget_ms=120_000,  # a busy machine must not turn the bench into a load failure
+    )
+
+    def factory():
+        return make_engine(engine, context_length=CONTEXT, threads=threads, slots=settings.max_concurrent)
+
+    server = AgentServer(settings, factory)
+    server.start()
+    result = server.reload(artifact_dir, "v1")
+    if not result.ok:
+        raise SystemExit(f"load failed: {result.reason}")
+    print(server.port, flush=True)
+    sys.stdin.read()
+    server.stop()
+
+
+class Server:
+    """A server process and the port it listens on."""
+
+    def __init__(self, name: str, args: list[str], port_from: str) -> None:
+        self.name = name
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.port = self._read_port(port_from)
+        # Keep reading its output: a full pipe would block the server on its next log line.
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()
+        self._await_health()
+        self.model = self._model_id()
+
+    def _read_port(self, port_from: str) -> int:
+        for line in self.process.stdout:
+            if port_from == "first line":
+                return int(line)
+            if "listening on http://127.0.0.1:" in line:  # llama-server's own log line
+                return int(line.split("127.0.0.1:")[1].split()[0].rstrip("/"))
+        raise SystemExit(f"{self.name} exited before listening (rc {self.process.wait()})")
+
+    def _await_health(self) -> None:
+        """llama-server listens before its model is loaded: wait for GET /health to answer 200."""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            conn = HTTPConnection("127.0.0.1", self.port, timeout=10)
+            try:
+                conn.request("GET", "/healthz" if self.name.startswith("agent") else "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            finally:
+                conn.close()
+            time.sleep(0.2)
+        raise SystemExit(f"{self.name} never became healthy")
+
+    def _model_id(self) -> str:
+        """The name requests must give: the first model /v1/models lists (the agent refuses others)."""
+        conn = HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request("GET", "/v1/models")
+            return json.loads(conn.getresponse().read())["data"][0]["id"]
+        finally:
+            conn.close()
+
+    def rss_mb(self) -> float:
+        """VmRSS of the server process, in MB."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        """Close stdin (our agents stop) and terminate (llama-server)."""
+        self.process.stdin.close()
+        self.process.terminate()
+        self.process.wait(60)
+
+
+def start_agent(engine: str, artifact_dir: Path) -> Server:
+    args = [sys.executable, __file__, "--child-agent", engine, str(artifact_dir), "1"]
+    return Server(f"agent {engine}", args, "first line")
+
+
+def llama_server_binary() -> Path:
+    """The cached llama-server, or a message saying how to build it."""
+    found = sorted(LLAMA_SERVER.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))
+    if not found:
+        raise SystemExit(
+            f"no llama-server under {LLAMA_SERVER}: pip download --no-binary :all: --no-deps "
+            "llama-cpp-python there, unpack it, then in vendor/llama.cpp: cmake -B build "
+            "-DGGML_NATIVE=OFF && cmake --build build --target llama-server -j2"
+        )
+    return found[-1]
+
+
+def start_llama_server(binary: Path, gguf: Path, slots: int) -> Server:
+    args = [str(binary), "-m", str(gguf), "-np", str(slots), "-c", str(CONTEXT * slots), "-t", "1"]
+    args += ["-tb", "1", "-fa", "off", "--host", "127.0.0.1", "--port", "0", "--no-webui"]
+    return Server(f"llama-server -np {slots}", args, "log")
+
+
+# -- clients -------------------------------------------------------------------------------------
+
+
+def stream_once(server: Server, tokens: int) -> tuple[float, list[float]]:
+    """One streamed chat completion: (start, arrival time of every chunk with text)."""
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0}
+    body["stream"] = True
+    conn = HTTPConnection("127.0.0.1", server.port, timeout=600)
+    start, stamps = time.perf_counter(), []
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+    for line in response:
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+    conn.close()
+    return start, stamps
+
+
+def measure(server: Server, clients: int, requests: int, tokens: int) -> Row:
+    """`clients` threads, each streaming `requests` completions in turn."""
+    runs: list[tuple[float, list[float]]] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        for _ in range(requests):
+            try:
+                run = stream_once(server, tokens)
+            except (RuntimeError, OSError) as exc:
+                with lock:
+                    errors.append(str(exc))
+                continue
+            with lock:
+                runs.append(run)
+
+    stream_once(server, 8)  # warm-up
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    total = sum(len(stamps) for _, stamps in runs)
+    ttft = statistics.median((stamps[0] - start) * 1000 for start, stamps in runs if stamps)
+    return Row(server.name, clients, len(runs), total, total / wall, ttft, len(errors))
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+PEER = "llama-server -np 4"
+
+
+def table(rows: list[Row], title: str) -> Table:
+    """One row per server and client count, with the ratios to its own single client and to
+    llama-server at the same client count."""
+    out = Table(title=title)
+    columns = ("server", "clients", "requests", "refused", "tokens", "aggregate tok/s")
+    for column in (*columns, "vs 1 client", "vs llama-server", "p50 TTFT ms"):
+        out.add_column(column, justify="left" if column == "server" else "right")
+    single = {r.server: r for r in rows if r.clients == 1}
+    peer = {r.clients: r for r in rows if r.server == PEER}
+    for r in rows:
+        base, other = single.get(r.server), peer.get(r.clients)
+        out.add_row(
+            r.server,
+            str(r.clients),
+            str(r.requests),
+            str(r.errors),
+            str(r.tokens),
+            f"{r.aggregate_tok_s:.1f}",
+            f"{r.aggregate_tok_s / base.aggregate_tok_s:.2f}x" if base else "-",
+            f"{r.aggregate_tok_s / other.aggregate_tok_s:.2f}x" if other else "-",
+            f"{r.ttft_p50_ms:.0f}",
+        )
+    return out
+
+
+def verdict(rows: list[Row]) -> list[str]:
+    """The targets of the llama.cpp agent, each with its figures."""
+    get = {(r.server, r.clients): r for r in rows}
+    ours1, ours4 = get.get(("agent llama.cpp", 1)), get.get(("agent llama.cpp", 4))
+    peer4 = get.get((PEER, 4))
+    lines = []
+    if ours1 and ours4:
+        scale = ours4.aggregate_tok_s / ours1.aggregate_tok_s
+        lines.append(f"aggregate at 4 clients / single: {scale:.2f}x (target >= 2x)")
+        ttft = ours4.ttft_p50_ms / ours1.ttft_p50_ms
+        lines.append(f"p50 TTFT at 4 clients / single: {ttft:.2f}x (target <= 2x)")
+    if ours4 and peer4:
+        ratio = ours4.aggregate_tok_s / peer4.aggregate_tok_s
+        lines.append(f"aggregate at 4 clients vs llama-server -np 4: {ratio:.2f}x (target >= 1x)")
+    return lines
+
+
+def soak(gguf: Path, requests: int) -> None:
+    """RSS of the llama.cpp agent after 100 and after `requests` short requests; the slope."""
+    server = start_agent("llama.cpp", gguf)
+    try:
+        marks: list[tuple[int, float]] = []
+        done = 0
+        lock = threading.Lock()
+        started = time.perf_counter()
+
+        def client() -> None:
+            nonlocal done
+            while True:
+                with lock:
+                    if done >= requests:
+                        return
+                    done += 1
+                    n = done
+                stream_once(server, 4)
+                if n in (100, requests) or n % 1000 == 0:
+                    with lock:
+                        marks.append((n, server.rss_mb()))
+                        print(f"{n:8d} requests  RSS {marks[-1][1]:7.1f} MB", flush=True)
+
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - started
+    finally:
+        server.stop()
+    marks.sort()
+    first, last = marks[0], marks[-1]
+    slope = (last[1] - first[1]) / max(1, last[0] - first[0]) * 1000
+    rate = requests / wall
+    growth = (last[1] - first[1]) / first[1] * 100
+    print(f"RSS after {last[0]} vs after {first[0]}: {growth:+.2f}% (target within 5%)")
+    print(
+        f"slope: {slope:+.3f} MB per 1,000 requests; at {rate:.1f} requests/s that is "
+        f"{slope * rate * 3600 * 72 / 1000:+.1f} MB over 72 hours"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=2, help="per client, one after the other")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch engine rows")
+    parser.add_argument("--no-llama-server", action="store_true", help="skip the llama-server rows")
+    parser.add_argument("--soak", type=int, metavar="N", help="run N short requests and report RSS")
+    parser.add_argument("--child-agent", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child_agent:
+        engine, directory, threads = args.child_agent
+        child_agent(engine, Path(directory), int(threads))
+        return
+    gguf, torch_dir = artifacts("int8")
+    if args.soak:
+        soak(gguf, args.soak)
+        return
+    starters = [("agent llama.cpp", lambda: start_agent("llama.cpp", gguf))]
+    if not args.no_llama_server:
+        binary = llama_server_binary()
+        starters.append(("llama-server", lambda: start_llama_server(binary, gguf / GGUF_FILE, 4)))
+    if not args.no_torch:
+        starters.append(("agent torch", lambda: start_agent("torch", torch_dir)))
+    rows = []
+    for _, start in starters:
+        server = start()
+        try:
+            for clients in CLIENTS:
+                rows.append(measure(server, clients, args.requests, args.tokens))
+        finally:
+            server.stop()
+    load = os.getloadavg()
+    title = (
+        f"SmolLM2-135M-Instruct Q8_0 / int8, {args.tokens} tokens per stream, greedy, 1 engine thread, "
+        f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at the end"
+    )
+    console = Console(width=150)  # the whole table on one screen, also when piped
+    console.print(table(rows, title))
+    for line in verdict(rows):
+        console.print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Several sequences decoded together in one llama.cpp context, through llama-cpp-python's low-level API.
+
+What llama.cpp's own server does with parallel slots: the context has `n_seq_max = slots`, and each
+slot is one sequence id. A step puts the last token of every running slot into one `llama_batch`
+(its own position and sequence id each) and decodes them in a single `llama_decode`; every slot
+samples from its own row of logits with its own sampler chain (greedy, or top-k, temperature, top-p
+and a seeded distribution), so one request's seed or settings never touch another's.
+
+The KV cache is not unified (`kv_unified = false`): each sequence has a stream of its own, laid out
+the same whether it runs alone or beside others, so a greedy answer does not depend on its company.
+A slot remembers the tokens its cache holds; a new prompt that starts with them decodes only the
+rest (`llama_memory_seq_rm` cuts the cache where the two part).
+
+Not thread-safe: the engine calls everything here on its one llama.cpp thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from deployer.agent.engines.base import (
+    GREEDY_BELOW,
+    SamplingParams,
+    TokenLogprobs,
+    check_params,
+    common_prefix,
+)
+from deployer.agent.engines.logits import TokenProcessor
+from deployer.errors import AgentError
+
+__all__ = ["BatchContext"]
+
+
+@dataclass
+class _Slot:
+    cached: list[int] = field(default_factory=list)  # the tokens this sequence's KV cache holds
+    last: int = -1  # the token sampled last, not yet in the cache
+    sampler: Any = None  # llama_sampler_p while a request runs
+    processor: TokenProcessor | None = None  # the request's logit processing, if it asked for any
+    logprobs: TokenLogprobs | None = None  # of `last`, when the processor computes them
+
+
+class BatchContext:
+    """A llama.cpp context for `slots` sequences of up to `context_length` tokens each."""
+
+    def __init__(
+        self, lib: Any, model: Any, *, slots: int, context_length: int, threads: int, n_batch: int = 512
+    ) -> None:
+        """Raises AgentError when llama.cpp cannot create the context (memory, too many sequences)."""
+        if not 1 <= slots <= lib.llama_max_parallel_sequences():
+            raise AgentError(
+                f"{slots} slots asked of llama.cpp, which runs 1 to {lib.llama_max_parallel_sequences()}",
+                hint="lower max_concurrent in agent.yaml",
+            )
+        self._lib = lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = context_length * slots
+        params.n_seq_max = slots
+        params.kv_unified = False
+        params.n_batch = params.n_ubatch = max(n_batch, slots)
+        params.n_threads = params.n_threads_batch = threads
+        params.no_perf = True
+        # As llama-cpp-python's Llama runs it (its answers are what the tests compare against).
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        ctx = lib.llama_init_from_model(model, params)
+        if not ctx:
+            raise AgentError(
+                f"llama.cpp could not create a context of {slots} x {context_length} tokens",
+                hint="lower max_concurrent or context_length in agent.yaml",
+            )
+        self._ctx = ctx
+        self._memory = lib.llama_get_memory(ctx)
+        self._n_batch = params.n_batch
+        self._batch = lib.llama_batch_init(self._n_batch, 0, 1)
+        self._slots = [_Slot() for _ in range(slots)]
+        self._n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+        self.context_length = lib.llama_n_ctx_seq(ctx)
+
+    @property
+    def slots(self) -> int:
+        """How many sequences this context runs together."""
+        return len(self._slots)
+
+    def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
+        """The free slot whose cache shares the longest prefix with `prompt` (the first on a tie)."""
+        return max(free, key=lambda s: common_prefix(self._slot(s).cached, prompt))
+
+    def prefill(
+        self,
+        slot: int,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        processor: TokenProcessor | None = None,
+    ) -> int:
+        """Start `slot` on `prompt` (reusing the cached prefix); the first sampled token. `processor`
+        edits each of the slot's logit rows before its sampler picks from it (bias, penalties,
+        grammar) and keeps the picked token's logprobs."""
+        state = self._slot(slot)
+        check_params(params)
+        if not prompt or len(prompt) >= self.context_length:
+            raise AgentError(
+                f"a prompt of {len(prompt)} tokens does not fit a slot of {self.context_length}",
+                hint="shorten the prompt",
+            )
+        if bad := next((t for t in prompt if not 0 <= t < self._n_vocab), None):
+            raise AgentError(f"token id {bad} is not in the vocabulary of {self._n_vocab} tokens")
+        self._free_sampler(state)
+        # Keep the common prefix, but decode at least the prompt's last token: its logits are needed.
+        keep = min(common_prefix(state.cached, prompt), len(prompt) - 1)
+        if not self._lib.llama_memory_seq_rm(self._memory, slot, keep, -1):
+            keep = 0
+            self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        state.cached = list(prompt[:keep])
+        state.sampler = self._new_sampler(params)
+        state.processor, state.logprobs = processor, None
+        for start in range(keep, len(prompt), self._n_batch):
+            chunk = prompt[start : start + self._n_batch]
+            self._fill([(token, start + i, slot) for i, token in enumerate(chunk)], logits_last=True)
+            self._decode()
+            state.cached.extend(chunk)
+        state.last = self._sample(state, len(chunk) - 1)
+        return state.last
+
+    def step(self, slots: Sequence[int]) -> list[int]:
+        """Decode the last token of each slot in one batch; the next token of each, in order."""
+        states = [self._slot(s) for s in slots]
+        if len(set(slots)) != len(slots):
+            raise AgentError(f"slots {list(slots)} name a slot twice")
+        for s, state in zip(slots, states, strict=True):
+            if state.sampler is None:
+                raise AgentError(f"slot {s} has no running sequence", hint="prefill it first")
+            if len(state.cached) + 1 >= self.context_length:
+                raise AgentError(f"slot {s} is full ({self.context_length} tokens)")
+        self._fill([(state.last, len(state.cached), s) for s, state in zip(slots, states, strict=True)])
+        self._decode()
+        tokens = []
+        for i, state in enumerate(states):
+            state.cached.append(state.last)
+            state.last = self._sample(state, i)
+            tokens.append(state.last)
+        return tokens
+
+    def logprobs(self, slot: int) -> TokenLogprobs | None:
+        """The log-probabilities of the slot's last sampled token (None unless its request asked)."""
+        return self._slot(slot).logprobs
+
+    def release(self, slot: int) -> None:
+        """End the slot's sequence; its cache stays for a prompt that shares its prefix."""
+        self._free_sampler(self._slot(slot))
+
+    def close(self) -> None:
+        """Free the samplers, the batch and the context; the object cannot be used afterwards."""
+        for state in self._slots:
+            self._free_sampler(state)
+        if self._ctx:
+            self._lib.llama_batch_free(self._batch)
+            self._lib.llama_free(self._ctx)
+            self._ctx = None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _slot(self, slot: int) -> _Slot:
+        if not 0 <= slot < len(self._slots):
+            raise AgentError(f"slot {slot} does not exist; this context has {len(self._slots)}")
+        return self._slots[slot]
+
+    def _fill(self, entries: list[tuple[int, int, int]], logits_last: bool = False) -> None:
+        """Write (token, position, sequence) entries into the batch; logits for every entry, or only
+        for the last one (prefill)."""
+        batch = self._batch
+        for i, (token, position, seq) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = position
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = not logits_last or i == len(entries) - 1
+        batch.n_tokens = len(entries)
+
+    def _decode(self) -> None:
+        code = self._lib.llama_decode(self._ctx, self._batch)
+        if code != 0:
+            # 1: no room in the KV cache; negative: a failure inside llama.cpp.
+            raise AgentError(f"llama_decode failed with code {code}", hint="see the agent's journal")
+
+    def _sample(self, state: _Slot, row: int) -> int:
+        """The slot's next token from logits row `row` of the last decode, through its processor."""
+        if state.processor is not None:
+            # The sampler reads the context's logits buffer: the processed row is written in place.
+            logits = np.ctypeslib.as_array(
+                self._lib.llama_get_logits_ith(self._ctx, row), shape=(self._n_vocab,)
+            )
+            logits[:] = state.processor.process(logits)
+        token = int(self._lib.llama_sampler_sample(state.sampler, self._ctx, row))
+        if state.processor is not None:
+            state.logprobs = state.processor.accept(token)
+        return token
+
+    def _new_sampler(self, params: SamplingParams) -> Any:
+        lib = self._lib
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if params.temperature < GREEDY_BELOW:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+            return chain
+        # The torch engine's order: top-k (which temperature does not change), temperature, then
+        # top-p on the tempered distribution within the top k.
+        if params.top_k > 0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(params.top_k))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(params.temperature))
+        if params.top_p < 1:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
+        # A fresh seed when none is asked for: the last request's must not repeat its answers.
+        seed = secrets.randbits(31) if params.seed is None else params.seed % 2**32
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(ctypes.c_uint32(seed).value))
+        return chain
+
+    def _free_sampler(self, state: _Slot) -> None:
+        state.processor = state.logprobs = None
+        if state.sampler is not None:
+            self._lib.llama_sampler_free(state.sampler)
+            state.sampler = None

@@ -1,0 +1,601 @@
+"""The scheduler that owns an engine: one engine thread, continuous batching, bounded queues.
+
+One thread per loaded engine runs every call that computes (load, warm-up, prefill, step, release,
+unload), so per-thread runtime state (torch's OpenMP team size, llama.cpp's thread) is set once
+and never fought over. Its loop, between two decode steps:
+
+1. runs queued engine calls (`run`, e.g. load or unload);
+2. drops requests that were cancelled, abandoned (their `Generation` was garbage-collected), whose
+   consumer stopped reading for longer than `stall_timeout_s`, or that waited longer than
+   `queue_timeout_s` for a slot; their slots are released;
+3. admits waiting requests into free slots (prefill: the first token);
+4. advances every running request by one token with a single `engine.step`.
+
+A request's events travel to its consumer through a bounded buffer. A full buffer pauses that request
+(it sits out the steps, the others go on) until its consumer reads again or the stall deadline drops
+it.
+
+Consumers get a `Generation` from `submit`: an iterator (threads) and an async iterator (asyncio) of
+`TokenEvent`s with `cancel()`. Text is produced on the engine thread by `textstream`, so stop strings
+end a sequence (and free its slot) the step they complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from deployer.agent.engines.base import Engine, SamplingParams, TokenEvent, token_budget
+from deployer.agent.engines.textstream import token_events
+from deployer.errors import AgentError
+
+__all__ = [
+    "EngineStopped",
+    "Generation",
+    "Overloaded",
+    "QueueTimeout",
+    "Scheduler",
+    "SchedulerCounts",
+    "SchedulerLimits",
+]
+
+T = TypeVar("T")
+_END = object()  # what a buffer yields once its request has nothing more to say
+
+
+class Overloaded(Exception):
+    """Every batch slot and every queue place is taken (the HTTP layer answers 429 + Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueTimeout(Exception):
+    """A request waited longer than queue_timeout_s for a slot (503 + Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineStopped(AgentError):
+    """The scheduler's engine thread has ended (its model was unloaded, or the thread failed): the
+    request cannot run on this model (503: a newer model, or a reload, serves it)."""
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """How much a scheduler takes on. `batch_size` is agent.yaml's max_concurrent (capped by the
+    engine's max_slots); `queue_length` bounds the requests waiting beyond the batch."""
+
+    batch_size: int = 4
+    queue_length: int = 16
+    queue_timeout_s: float = 120.0  # the longest a request waits for a slot
+    stall_timeout_s: float = 120.0  # the longest a consumer may leave its full buffer unread
+    buffer_events: int = 64  # events held for a consumer before its request pauses
+
+
+@dataclass(frozen=True)
+class SchedulerCounts:
+    """Requests in the batch (prefilled, generating) and waiting for a slot."""
+
+    running: int
+    waiting: int
+
+
+class _Feed:
+    """Token ids pushed one at a time into `token_events`, which pulls them."""
+
+    def __init__(self) -> None:
+        self.token = -1
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            yield self.token
+
+
+class _Request:
+    """One request's state, shared by the engine thread and the consumer (under `cond`)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        prompt: list[int],
+        params: SamplingParams,
+        budget: int,
+        buffer: int,
+        wake: Callable[[], None],
+    ) -> None:
+        self.prompt = prompt
+        self.params = params
+        self.buffer = buffer
+        self.wake = wake
+        self.submitted = time.monotonic()
+        self.cond = threading.Condition()
+        self.items: deque[TokenEvent | BaseException] = deque()
+        self.closed = False  # no more items will be pushed
+        self.cancelled = False
+        self.stalled_since: float | None = None
+        self.waker: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        # Engine-thread state while running: the slot, and the text of the ids fed in one at a time
+        # (a generator: nothing runs before the first token is fed).
+        self.slot = -1
+        self.feed = _Feed()
+        self.events = token_events(
+            self.feed,
+            engine.decode,
+            stops=params.stop,
+            end_ids=engine.end_ids,
+            budget=budget,
+            logprobs=(lambda: engine.logprobs(self.slot)) if params.logprobs is not None else None,
+        )
+
+    # -- engine side ---------------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        """The consumer's buffer is full: the request sits out the next step."""
+        return len(self.items) >= self.buffer
+
+    def push(self, item: TokenEvent | BaseException) -> None:
+        """Hand one event (or the error that ended the request) to the consumer."""
+        last = isinstance(item, BaseException) or item.finish_reason is not None
+        with self.cond:
+            if self.closed:
+                return
+            self.items.append(item)
+            self.closed = last
+            self.cond.notify()
+            waker, self.waker = self.waker, None
+        _resolve(waker)
+
+    def finish_silently(self) -> None:
+        """End the request without an event (it was cancelled: nobody reads it)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+            waker, self.waker = self.waker, None
+        _resolve(waker)
+
+    # -- consumer side -------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Stop generating; the engine thread frees the slot at its next step."""
+        with self.cond:
+            if self.cancelled or (self.closed and not self.items):
+                return
+            self.cancelled = True
+            self.cond.notify_all()
+            waker, self.waker = self.waker, None
+        _resolve(waker)
+        self.wake()
+
+    def pop(self, block: bool, timeout: float | None = None) -> Any:
+        """The next item, _END when the request is over, None when not blocking and nothing is there."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while not self.items and not self.closed and not self.cancelled:
+                if not block:
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self.cond.wait(remaining)
+            if self.cancelled or not self.items:
+                return _END
+            was_full = len(self.items) >= self.buffer
+            item = self.items.popleft()
+        if was_full:
+            self.wake()  # a paused request may step again
+        return item
+
+    def peek_ready(self) -> bool:
+        with self.cond:
+            return bool(self.items) or self.closed or self.cancelled
+
+
+def _resolve(waker: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None) -> None:
+    if waker is None:
+        return
+    loop, future = waker
+    with contextlib.suppress(RuntimeError):  # the loop is closed: its consumer is gone anyway
+        loop.call_soon_threadsafe(_set_done, future)
+
+
+def _set_done(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class Generation:
+    """One request's token events, for a thread (`for event in gen`) or asyncio (`async for`).
+
+    `cancel()` (or `close()`, or leaving a `with` block, or dropping the last reference) stops the
+    generation; its slot is freed at the next step. Iterating raises QueueTimeout when no slot came
+    in time, and the engine's error if the request failed.
+    """
+
+    def __init__(self, request: _Request) -> None:
+        self._request = request
+        self._head: Any = None  # an item taken by wait_started(), given out first
+        weakref.finalize(self, request.cancel)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens."""
+        return len(self._request.prompt)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether it was cancelled (by its consumer, or by the scheduler's cancel_all)."""
+        return self._request.cancelled
+
+    def cancel(self) -> None:
+        """Stop the generation; idempotent."""
+        self._request.cancel()
+
+    close = cancel  # contextlib.closing() and generator-like callers
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Block until the first event (or the request's failure) is there; True once it is.
+
+        Raises what iteration would raise first (QueueTimeout, an engine error), so a server can
+        answer with a proper status before it sends any header.
+        """
+        if self._head is None:
+            self._head = self._request.pop(block=True, timeout=timeout)
+        return self._check_head()
+
+    async def await_started(self) -> None:
+        """wait_started for asyncio."""
+        while self._head is None:
+            self._head = self._request.pop(block=False)
+            if self._head is None:
+                await self._wait_async()
+        self._check_head()
+
+    def _check_head(self) -> bool:
+        if isinstance(self._head, BaseException):
+            error, self._head = self._head, _END
+            raise error
+        return self._head is not None
+
+    def _take(self, item: Any) -> TokenEvent:
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        item, self._head = self._head, None
+        if item is None:
+            item = self._request.pop(block=True)
+        return self._take(item)
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        item, self._head = self._head, None
+        while item is None:
+            item = self._request.pop(block=False)
+            if item is None:
+                await self._wait_async()
+        try:
+            return self._take(item)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    async def _wait_async(self) -> None:
+        request = self._request
+        future = asyncio.get_running_loop().create_future()
+        with request.cond:
+            request.waker = (asyncio.get_running_loop(), future)
+        if request.peek_ready():  # an item arrived before the waker was set
+            _set_done(future)
+        try:
+            await future
+        except asyncio.CancelledError:
+            self.cancel()  # the task was cancelled (client gone): free the slot
+            raise
+
+
+class Scheduler:
+    """Owns one engine and its thread; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        limits: SchedulerLimits,
+        *,
+        name: str = "engine",
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        """Start the engine thread. `on_change()` is called (on any thread, no lock held) whenever the
+        running or waiting count may have changed."""
+        self.engine = engine
+        self.limits = limits
+        self._on_change = on_change or (lambda: None)
+        self._cond = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._running: dict[int, _Request] = {}
+        self._closing = False
+        self._final: Callable[[], None] | None = None
+        self._stopped = False  # the loop has ended: run() would never be answered
+        self._context_length: int | None = None
+        self._reported = SchedulerCounts(0, 0)
+        self._report_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=f"sits-{name}", daemon=True)
+        self._thread.start()
+
+    # -- control -------------------------------------------------------------------------------
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the engine thread, between two steps (load, warm-up, unload); its result or error."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopped:
+                raise EngineStopped("the engine thread has stopped", hint="reload the model")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future.result()
+
+    def counts(self) -> SchedulerCounts:
+        """Requests running in the batch and waiting for a slot, now."""
+        with self._cond:
+            return SchedulerCounts(len(self._running), len(self._waiting))
+
+    @property
+    def stopped(self) -> bool:
+        """The engine thread has ended (closed and drained, or failed)."""
+        return self._stopped
+
+    @property
+    def capacity(self) -> int:
+        """How many requests run at once: the batch size within the engine's slots."""
+        return min(self.limits.batch_size, self.engine.max_slots)
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Generation:
+        """Queue a generation from `prompt`; its events come through the returned Generation.
+
+        Raises AgentError for bad parameters or a prompt that does not fit the context, Overloaded
+        when the batch and the waiting queue are full, AgentError once the scheduler is closing.
+        """
+        prompt = list(prompt)
+        budget = token_budget(prompt, params, self._context())
+        request = _Request(self.engine, prompt, params, budget, self.limits.buffer_events, self._wake)
+        with self._cond:
+            if self._closing or self._stopped:
+                raise EngineStopped("this model is being unloaded", hint="retry: a newer model serves")
+            free = self.capacity - len(self._running)
+            if len(self._waiting) >= self.limits.queue_length + max(0, free):
+                raise Overloaded(
+                    f"{len(self._running)} running and {len(self._waiting)} waiting",
+                    retry_after_s=max(1, math.ceil(self.limits.queue_timeout_s / 60)),
+                )
+            self._waiting.append(request)
+            self._cond.notify()
+        self._report()
+        return Generation(request)
+
+    def cancel_all(self) -> None:
+        """Cancel every running and waiting request (shutdown); their consumers see them end."""
+        with self._cond:
+            requests = list(self._waiting) + list(self._running.values())
+        for request in requests:
+            request.cancel()
+
+    def close(self, final: Callable[[], None] | None = None) -> None:
+        """Take no new requests; once the running and waiting ones have finished, run `final()` (e.g.
+        the engine's unload) on the engine thread and stop it. Returns at once; see `join`."""
+        with self._cond:
+            self._closing = True
+            self._final = final
+            self._cond.notify()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the engine thread to stop after close(); True when it did within `timeout_s`."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _context(self) -> int:
+        if self._context_length is None:
+            self._context_length = self.engine.describe().context_length
+        return self._context_length
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while self._tick():
+                pass
+        finally:
+            self._fail_all(EngineStopped("the engine thread stopped", hint="reload the model"))
+            if self._final is not None:
+                self._final()
+
+    def _tick(self) -> bool:
+        """One round of the loop; False when closed and drained."""
+        with self._cond:
+            waiting_before = len(self._waiting)
+            while True:
+                now = time.monotonic()
+                calls = list(self._calls)
+                self._calls.clear()
+                expired = self._expire_waiting(now)
+                admitted = self._admit()
+                dropped = [r for r in self._running.values() if r.cancelled or self._stalled(r, now)]
+                runnable = [r for r in self._running.values() if not r.paused and not r.cancelled]
+                # A request cancelled while waiting changes the counts and nothing else.
+                cancelled_waiting = len(self._waiting) != waiting_before
+                if calls or expired or admitted or dropped or runnable or cancelled_waiting:
+                    break
+                if self._closing and not self._running and not self._waiting:
+                    return False
+                self._cond.wait(self._next_deadline(now))
+        for fn, future in calls:
+            _run_call(fn, future)
+        for request in expired:
+            request.push(QueueTimeout(f"waited {self.limits.queue_timeout_s:.0f} s for a free slot"))
+        for request in dropped:
+            self._release(request)
+            if request.cancelled:
+                request.finish_silently()
+            else:  # stalled: a consumer that comes back learns why its answer stopped
+                request.push(
+                    AgentError(
+                        f"dropped: the consumer read nothing for {self.limits.stall_timeout_s:.0f} s",
+                        hint="read the stream as it comes",
+                    )
+                )
+        for request in admitted:
+            self._prefill(request)
+        runnable = [r for r in runnable if self._running.get(r.slot) is r and not r.cancelled]
+        if runnable:
+            self._step(runnable)
+        if expired or admitted or dropped or runnable or cancelled_waiting:
+            self._report()
+        return True
+
+    def _report(self) -> None:
+        """Call on_change when the counts moved since the last report."""
+        with self._report_lock:  # compare and call as one, or a stale count could stick
+            counts = self.counts()
+            if counts != self._reported:
+                self._reported = counts
+                self._on_change()
+
+    def _expire_waiting(self, now: float) -> list[_Request]:
+        """Drop cancelled waiting requests; take out those that waited too long (lock held)."""
+        expired: list[_Request] = []
+        kept: deque[_Request] = deque()
+        for request in self._waiting:
+            if request.cancelled:
+                request.finish_silently()
+            elif now - request.submitted > self.limits.queue_timeout_s:
+                expired.append(request)
+            else:
+                kept.append(request)
+        self._waiting = kept
+        return expired
+
+    def _admit(self) -> list[_Request]:
+        """Move waiting requests into free slots (lock held); their prefill runs after."""
+        taken = set(self._running)
+        free = [s for s in range(self.capacity) if s not in taken]
+        admitted = []
+        while free and self._waiting:
+            request = self._waiting.popleft()
+            # The slot whose cache already holds most of the prompt (a shared system prompt, the
+            # earlier turns of a chat) saves that much prefill.
+            request.slot = self.engine.choose_slot(free, request.prompt)
+            free.remove(request.slot)
+            self._running[request.slot] = request
+            admitted.append(request)
+        return admitted
+
+    def _stalled(self, request: _Request, now: float) -> bool:
+        if not request.paused:
+            request.stalled_since = None
+            return False
+        if request.stalled_since is None:
+            request.stalled_since = now
+        return now - request.stalled_since > self.limits.stall_timeout_s
+
+    def _next_deadline(self, now: float) -> float | None:
+        """Seconds until a waiting request expires or a paused one is dropped; None: nothing to time."""
+        deadlines = [r.submitted + self.limits.queue_timeout_s for r in self._waiting]
+        deadlines += [
+            r.stalled_since + self.limits.stall_timeout_s
+            for r in self._running.values()
+            if r.stalled_since is not None
+        ]
+        return max(0.0, min(deadlines) - now) + 0.001 if deadlines else None
+
+    def _prefill(self, request: _Request) -> None:
+        try:
+            request.feed.token = self.engine.prefill(request.slot, request.prompt, request.params)
+            event = next(request.events)
+        except Exception as exc:
+            self._release(request)
+            request.push(exc)
+            return
+        self._deliver(request, event)
+
+    def _step(self, runnable: list[_Request]) -> None:
+        engine = self.engine
+        try:
+            tokens = engine.step([r.slot for r in runnable])
+            events = []
+            for request, token in zip(runnable, tokens, strict=True):
+                request.feed.token = token
+                events.append(next(request.events))
+        except Exception as exc:
+            for request in runnable:
+                self._release(request)
+                request.push(exc)
+            return
+        for request, event in zip(runnable, events, strict=True):
+            self._deliver(request, event)
+
+    def _deliver(self, request: _Request, event: TokenEvent) -> None:
+        request.push(event)
+        if event.finish_reason is not None:
+            self._release(request)
+
+    def _release(self, request: _Request) -> None:
+        """Free the request's slot (engine thread)."""
+        with self._cond:
+            if self._running.get(request.slot) is not request:
+                return
+            del self._running[request.slot]
+        try:
+            self.engine.release(request.slot)
+        except Exception as exc:  # a failing release must not stop the loop; the next prefill resets
+            request.push(exc)
+
+    def _fail_all(self, error: AgentError) -> None:
+        with self._cond:
+            self._stopped = True
+            requests = list(self._waiting) + list(self._running.values())
+            self._waiting.clear()
+            self._running.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+        for request in requests:
+            request.push(error)
+        for _, future in calls:
+            future.set_exception(error)
+        self._report()
+
+
+def _run_call(fn: Callable[[], Any], future: Future) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # handed to the caller of run(), which re-raises it
+        future.set_exception(exc)

@@ -1,0 +1,210 @@
+"""The scheduler on real engines, each test on both: continuous batching (the llama.cpp engine on the
+tiny GGUF, the torch engine on the tiny checkpoint), bounded queues, cancellation, stalled and
+abandoned consumers, asyncio consumers, draining, and the engine thread's own torch settings."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from deployer.agent.engines import make_engine
+from deployer.agent.engines.base import SamplingParams
+from deployer.agent.scheduler import (
+    EngineStopped,
+    Overloaded,
+    QueueTimeout,
+    Scheduler,
+    SchedulerCounts,
+    SchedulerLimits,
+)
+from deployer.errors import AgentError
+from tests.llamacpp.conftest import gguf_store, needs_llama_cpp, tiny_gguf_dir  # noqa: F401 (fixtures)
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+LONG = SamplingParams(max_tokens=200, temperature=0.0)
+PROMPTS = ([5, 17, 33, 101, 7, 250], [9, 9, 40, 300, 12], [77, 3, 180, 64, 200, 15, 6], [150, 151, 152])
+
+
+def _scheduler(engine_name: str, directory: Path, slots: int = 4, **limits: object) -> Scheduler:
+    engine = make_engine(engine_name, context_length=256, threads=1, slots=slots)
+    scheduler = Scheduler(engine, SchedulerLimits(**{"batch_size": slots, **limits}))
+    scheduler.run(lambda: engine.load(directory))  # on the engine thread, as the model manager does
+    return scheduler
+
+
+def _stop(scheduler: Scheduler) -> None:
+    scheduler.close(final=scheduler.engine.unload)
+    assert scheduler.join(60)
+
+
+@pytest.fixture(params=[pytest.param("llama.cpp", marks=needs_llama_cpp), "torch"])
+def make(request, tiny_model_dir):
+    """`make(slots=4, **limits)`: schedulers on the tiny model of the engine the test runs with;
+    closed and unloaded at teardown."""
+    name = request.param
+    directory = request.getfixturevalue("tiny_gguf_dir") if name == "llama.cpp" else tiny_model_dir
+    made = []
+
+    def start(slots: int = 4, **limits: object) -> Scheduler:
+        made.append(_scheduler(name, directory, slots, **limits))
+        return made[-1]
+
+    yield start
+    for scheduler in made:
+        _stop(scheduler)
+
+
+def _tokens(generation):
+    return [event.token_id for event in generation]
+
+
+def test_requests_in_one_batch_answer_as_they_do_alone(make):
+    scheduler = make()
+    alone = [_tokens(scheduler.submit(p, GREEDY)) for p in PROMPTS]
+    generations = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+    for generation in generations:
+        generation.wait_started()
+    assert scheduler.counts() == SchedulerCounts(4, 0)  # all four run at once
+    assert [_tokens(g) for g in generations] == alone
+    assert all(len(tokens) == 16 for tokens in alone)
+    assert len({tuple(t) for t in alone}) > 1
+
+
+def test_the_queue_is_bounded_and_a_cancelled_request_frees_its_slot(make, wait_until):
+    scheduler = make(queue_length=1, buffer_events=2)
+    running = [scheduler.submit(p, LONG) for p in PROMPTS]
+    for generation in running:
+        generation.wait_started()
+    waiting = scheduler.submit(PROMPTS[0], GREEDY)
+    assert scheduler.counts() == SchedulerCounts(4, 1)
+    with pytest.raises(Overloaded, match="4 running and 1 waiting") as info:
+        scheduler.submit(PROMPTS[1], GREEDY)
+    assert info.value.retry_after_s >= 1
+    running[2].cancel()
+    assert waiting.wait_started(60)  # it took the freed slot
+    assert len(_tokens(waiting)) == 16
+    for generation in running:
+        generation.cancel()
+    wait_until(lambda: scheduler.counts() == SchedulerCounts(0, 0), "every slot freed")
+
+
+def test_a_consumer_that_stops_reading_is_dropped_and_the_others_go_on(make, wait_until):
+    scheduler = make(buffer_events=2, stall_timeout_s=0.2)
+    stalled = scheduler.submit(PROMPTS[0], LONG)
+    stalled.wait_started()
+    reader = scheduler.submit(PROMPTS[1], SamplingParams(max_tokens=60, temperature=0.0))
+    assert len(_tokens(reader)) == 60  # paused beside it, the stalled request held nobody up
+    wait_until(lambda: scheduler.counts().running == 0, "the stalled request dropped")
+    with pytest.raises(AgentError, match="the consumer read nothing"):
+        _tokens(stalled)
+
+
+def test_an_abandoned_generation_frees_its_slot(make, wait_until):
+    scheduler = make(buffer_events=2)
+    generation = scheduler.submit(PROMPTS[0], LONG)
+    generation.wait_started()
+    del generation
+    gc.collect()
+    wait_until(lambda: scheduler.counts() == SchedulerCounts(0, 0), "the abandoned slot freed")
+
+
+def test_a_request_waiting_too_long_for_a_slot_times_out(make):
+    scheduler = make(slots=1, queue_timeout_s=0.05, buffer_events=2)
+    holder = scheduler.submit(PROMPTS[0], LONG)
+    holder.wait_started()
+    with pytest.raises(QueueTimeout, match="waited"):
+        scheduler.submit(PROMPTS[1], GREEDY).wait_started()
+    holder.cancel()
+
+
+def test_asyncio_consumers_get_the_same_tokens(make):
+    scheduler = make()
+    expected = [_tokens(scheduler.submit(p, GREEDY)) for p in PROMPTS]
+
+    async def consume(prompt):
+        generation = scheduler.submit(prompt, GREEDY)
+        await generation.await_started()
+        return [event.token_id async for event in generation]
+
+    async def main():
+        return await asyncio.gather(*(consume(p) for p in PROMPTS))
+
+    assert asyncio.run(main()) == expected
+
+
+def test_a_cancelled_asyncio_task_gives_up_its_place(make, wait_until):
+    scheduler = make(buffer_events=2)
+    running = [scheduler.submit(p, LONG) for p in PROMPTS]  # every slot taken, paused
+    for generation in running:
+        generation.wait_started()
+
+    async def main():
+        waiting = scheduler.submit(PROMPTS[0], GREEDY)
+        assert scheduler.counts() == SchedulerCounts(4, 1)
+        # wait_for cancels the task blocked on its first event (as a server does when the client goes).
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(waiting.await_started(), timeout=0.05)
+
+    asyncio.run(main())
+    wait_until(lambda: scheduler.counts() == SchedulerCounts(4, 0), "the cancelled request left the queue")
+    for generation in running:
+        generation.cancel()
+
+
+def test_cancel_all_ends_running_and_waiting_requests(make, wait_until):
+    scheduler = make(slots=2, buffer_events=2)
+    generations = [scheduler.submit(p, LONG) for p in PROMPTS[:3]]  # two run, one waits
+    generations[0].wait_started()
+    scheduler.cancel_all()
+    assert all(g.cancelled for g in generations)
+    wait_until(lambda: scheduler.counts() == SchedulerCounts(0, 0), "every request ended")
+    assert all(len(_tokens(g)) < 200 for g in generations)
+
+
+def test_closing_drains_then_runs_the_final_call_on_the_engine_thread(make):
+    scheduler = make()
+    generation = scheduler.submit(PROMPTS[0], GREEDY)
+    threads = []
+    scheduler.close(final=lambda: threads.append(threading.current_thread().name))
+    with pytest.raises(EngineStopped, match="being unloaded"):
+        scheduler.submit(PROMPTS[1], GREEDY)
+    assert len(_tokens(generation)) == 16  # the request already in finished
+    assert scheduler.join(60)
+    assert threads == ["sits-engine"]
+    with pytest.raises(EngineStopped):
+        scheduler.run(lambda: None)
+
+
+def _openmp_team_size() -> Callable[[], int]:
+    """omp_get_max_threads of the OpenMP runtime torch loaded: the calling thread's team size."""
+    import torch  # noqa: F401 (loads the runtime)
+
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    library = next((line.split()[-1] for line in maps if "libgomp" in line), None)
+    if library is None:
+        pytest.skip("torch is not built with GNU OpenMP here")
+    return ctypes.CDLL(library).omp_get_max_threads
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell one thread from all")
+def test_torch_on_the_engine_thread_keeps_the_thread_count_it_was_loaded_with(tiny_model_dir):
+    team_size = _openmp_team_size()
+    scheduler = _scheduler("torch", tiny_model_dir)
+    try:
+        # The premise (the "4.5x slower on a handler thread"): torch.set_num_threads sets the calling
+        # thread's OpenMP team size only; any other thread computes with one OpenMP thread per CPU.
+        seen: list[int] = []
+        other = threading.Thread(target=lambda: seen.append(team_size()))
+        other.start()
+        other.join()
+        assert seen == [len(os.sched_getaffinity(0))]
+        assert scheduler.run(team_size) == 1  # loaded on the engine thread with threads=1
+    finally:
+        _stop(scheduler)

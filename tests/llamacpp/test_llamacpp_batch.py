@@ -1,0 +1,129 @@
+"""The llama.cpp engine's batched step interface: several sequences per llama_decode, each answering
+exactly as it would alone (greedy), with its own seeded sampler, and prefix reuse per slot."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deployer.agent.engines import make_engine
+from deployer.agent.engines.base import ChatMessage, SamplingParams
+from deployer.errors import AgentError
+from tests.llamacpp.conftest import needs_llama_cpp
+
+pytestmark = needs_llama_cpp
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+QUESTIONS = ("Hello, how are you?", "What is the capital of France?", "Count to five.", "Name a colour.")
+TINY_VOCAB = 384
+
+
+def _engine(artifact_dir, slots=4, context_length=256):
+    engine = make_engine("llama.cpp", context_length=context_length, threads=1, slots=slots)
+    engine.load(artifact_dir)
+    return engine
+
+
+def _alone(engine, prompt, params, n):
+    tokens = [engine.prefill(0, prompt, params)]
+    while len(tokens) < n:
+        tokens += engine.step([0])
+    engine.release(0)
+    return tokens
+
+
+def _together(engine, prompts, params, n, stagger=0):
+    """Run every prompt in its own slot; slot i joins after i*stagger steps of the others."""
+    out: dict[int, list[int]] = {}
+    step = 0
+    while len(out) < len(prompts) or any(len(t) < n for t in out.values()):
+        for i, prompt in enumerate(prompts):
+            if i not in out and step >= i * stagger:
+                out[i] = [engine.prefill(i, prompt, params[i] if isinstance(params, list) else params)]
+        running = [i for i, t in out.items() if len(t) < n]
+        if running:
+            for i, token in zip(running, engine.step(running), strict=True):
+                out[i].append(token)
+        step += 1
+    for i in out:
+        engine.release(i)
+    return [out[i] for i in range(len(prompts))]
+
+
+def _prompts(engine):
+    return [engine.chat_prompt([ChatMessage("user", q)]) for q in QUESTIONS]
+
+
+def _random_prompts():
+    """Prompts of seeded random ids: the random tiny model answers each differently (its answers to
+    the chat prompts above all start alike)."""
+    rng = random.Random(0)
+    return [[rng.randrange(3, TINY_VOCAB) for _ in range(8 + 3 * i)] for i in range(4)]
+
+
+def test_greedy_answers_are_the_same_alone_and_in_a_batch(tiny_gguf_dir):
+    engine = _engine(tiny_gguf_dir)
+    prompts = _random_prompts()
+    alone = [_alone(engine, p, GREEDY, 24) for p in prompts]
+    assert len({tuple(a) for a in alone}) > 1  # the prompts lead to different answers
+    assert _together(engine, prompts, GREEDY, 24) == alone
+    # Joining a batch that is already running (continuous batching) changes nothing either.
+    assert _together(engine, prompts, GREEDY, 24, stagger=3) == alone
+
+
+def test_seeded_sampling_in_a_batch_repeats_what_it_does_alone(tiny_gguf_dir):
+    engine = _engine(tiny_gguf_dir)
+    prompts = _prompts(engine)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s) for s in range(4)]
+    alone = [_alone(engine, p, params[i], 16) for i, p in enumerate(prompts)]
+    assert _together(engine, prompts, params, 16) == alone
+    other_seed = _alone(engine, prompts[0], SamplingParams(temperature=1.0, top_p=0.9, seed=99), 16)
+    assert other_seed != alone[0]
+
+
+def test_a_prompt_that_extends_what_a_slot_holds_gives_the_same_answer(tiny_gguf_dir):
+    engine = _engine(tiny_gguf_dir, slots=1)
+    first, second = _prompts(engine)[:2]
+    fresh = _alone(engine, first + second, GREEDY, 12)
+    engine.prefill(0, first, GREEDY)  # the slot now holds `first`: only `second` is decoded next
+    engine.release(0)
+    assert _alone(engine, first + second, GREEDY, 12) == fresh
+
+
+def test_a_prompt_goes_to_the_free_slot_that_holds_most_of_it(tiny_gguf_dir):
+    engine = _engine(tiny_gguf_dir, slots=3)
+    first, second = _random_prompts()[:2]
+    engine.prefill(1, first, GREEDY)
+    engine.prefill(2, second, GREEDY)
+    engine.release(1)
+    engine.release(2)
+    assert engine.choose_slot([0, 1, 2], [*first, 7]) == 1
+    assert engine.choose_slot([0, 2], second) == 2
+    assert engine.choose_slot([0, 1], second) == 0  # nothing shared: the first free one
+
+
+def test_bad_slots_and_prompts_are_refused(tiny_gguf_dir):
+    engine = _engine(tiny_gguf_dir, slots=2, context_length=64)
+    prompt = _prompts(engine)[0]
+    assert engine.max_slots == 2
+    with pytest.raises(AgentError, match="slot 2 does not exist"):
+        engine.prefill(2, prompt, GREEDY)
+    with pytest.raises(AgentError, match="no running sequence"):
+        engine.step([1])
+    with pytest.raises(AgentError, match="does not fit"):
+        engine.prefill(0, prompt * 10, GREEDY)
+    with pytest.raises(AgentError, match="token id 999 is not in the vocabulary"):
+        engine.prefill(0, [1, 999], GREEDY)
+    engine.prefill(0, prompt, GREEDY)
+    with pytest.raises(AgentError, match="twice"):
+        engine.step([0, 0])
+    assert len(engine.step([0])) == 1  # still usable after the refusals
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_answers_are_the_same_alone_and_in_a_batch(smollm2_gguf_dir):
+    engine = _engine(smollm2_gguf_dir, context_length=512)
+    prompts = _prompts(engine)
+    alone = [_alone(engine, p, GREEDY, 24) for p in prompts]
+    assert _together(engine, prompts, GREEDY, 24, stagger=2) == alone
