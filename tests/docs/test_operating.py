@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import yaml
@@ -87,16 +89,28 @@ def _follow(line: str, cwd: Path, env: dict[str, str], log: Path) -> int:
         ["bash", "-c", f"exec {line}"], cwd=cwd, env=env, stdout=subprocess.PIPE, text=True
     ) as proc:
         assert proc.stdout is not None
+        printed: queue.Queue[str | None] = queue.Queue()
+        reader = threading.Thread(target=lambda: [*map(printed.put, proc.stdout), printed.put(None)])
+        reader.start()
         marker = f"operating.md test {os.getpid()}\n"
-        with log.open("a") as out:
-            out.write(marker)
-        for printed in proc.stdout:
-            if printed == marker:
+        # tail -F can miss a line appended while it starts watching the file (it sees it with the
+        # next one), so the marker is appended again each time two seconds pass without it.
+        for _ in range(30):
+            with log.open("a") as out:
+                out.write(marker)
+            try:
+                while (got := printed.get(timeout=2)) != marker:
+                    if got is None:
+                        raise AssertionError(f"{line}: ended before it printed the new line")
                 break
+            except queue.Empty:
+                continue
         else:
-            raise AssertionError(f"{line}: ended before it printed the new line")
+            raise AssertionError(f"{line}: never printed the lines appended to {log}")
         proc.send_signal(signal.SIGINT)
-        return proc.wait(timeout=60)
+        code = proc.wait(timeout=60)
+        reader.join(60)
+        return code
 
 
 def test_operating_md_blocks_run_as_written(tmp_path: Path) -> None:
