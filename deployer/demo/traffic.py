@@ -30,17 +30,18 @@ class TrafficReport:
     versions: Counter = field(default_factory=Counter)
 
 
-def client(target: Target, *, timeout_s: float = 120.0) -> OpenAI:
-    """An openai client for the agent at `target` (a loopback port, or (host, port))."""
+def client(target: Target, *, timeout_s: float = 120.0, api_key: str = "demo") -> OpenAI:
+    """An openai client for the agent at `target` (a loopback port, or (host, port)); `api_key` is
+    sent as the bearer key (agents beyond loopback require one)."""
     from openai import OpenAI
 
     host, port = (LOOPBACK, target) if isinstance(target, int) else target
-    return OpenAI(base_url=f"http://{host}:{port}/v1", api_key="demo", timeout=timeout_s, max_retries=0)
+    return OpenAI(base_url=f"http://{host}:{port}/v1", api_key=api_key, timeout=timeout_s, max_retries=0)
 
 
-def ask(target: Target, question: str, *, max_tokens: int = 32) -> tuple[str, str]:
+def ask(target: Target, question: str, *, max_tokens: int = 32, api_key: str = "demo") -> tuple[str, str]:
     """One greedy chat completion: (answer text, model version that answered)."""
-    api = client(target)
+    api = client(target, api_key=api_key)
     # The agent answers only for the model it serves; its bare name stays valid across a hot swap.
     name = api.models.list().data[0].id.partition("@")[0]
     reply = api.chat.completions.create(
@@ -84,8 +85,11 @@ def serving(port: int) -> str:
 class Traffic:
     """Round-robin chat requests to `targets` in a background thread until stopped."""
 
-    def __init__(self, targets: Sequence[Target], *, question: str, max_requests: int = 2000) -> None:
+    def __init__(
+        self, targets: Sequence[Target], *, question: str, max_requests: int = 2000, api_key: str = "demo"
+    ) -> None:
         self._targets = list(targets)
+        self._api_key = api_key
         self._question = question
         self._max = max_requests
         self._stop = threading.Event()
@@ -106,7 +110,7 @@ class Traffic:
             target = self._targets[sent % len(self._targets)]
             sent += 1
             try:
-                _, version = ask(target, self._question, max_tokens=8)
+                _, version = ask(target, self._question, max_tokens=8, api_key=self._api_key)
             except Exception as exc:  # any failure is what we count; the demo prints them
                 self.report.failed += 1
                 self.report.errors[type(exc).__name__] += 1

@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from tests.quickstart.test_quickstart import tiny_cache
+from tests.signals import default_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "operating.md"
@@ -86,7 +87,12 @@ def _leave_a_lock(project: Path, lock_id: str) -> None:
 def _follow(line: str, cwd: Path, env: dict[str, str], log: Path) -> int:
     """Run a --follow line until it printed a line written while it ran, then Ctrl-C it."""
     with subprocess.Popen(
-        ["bash", "-c", f"exec {line}"], cwd=cwd, env=env, stdout=subprocess.PIPE, text=True
+        ["bash", "-c", f"exec {line}"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
     ) as proc:
         assert proc.stdout is not None
         printed: queue.Queue[str | None] = queue.Queue()

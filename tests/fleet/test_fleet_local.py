@@ -23,6 +23,7 @@ from deployer.push.facts import DeviceSite, gather_facts
 from deployer.push.state import FleetLock, read_audit, read_lock
 from deployer.transport import LocalTransport
 from tests.fleet.conftest import DEVICES, Project
+from tests.signals import default_sigint
 
 CANARY = {"type": "canary", "steps": [1, "100%"], "analysis_window": "1s", "offline": "skip"}
 
@@ -234,7 +235,11 @@ def test_ctrl_c_leaves_each_device_on_a_known_version_and_a_rerun_continues(proj
     # -v prints each device's phases on stderr; Ctrl-C once edge-a is done, in the 10 minute pause.
     command = [sys.executable, "-c", "from deployer.cli.main import main; main()", "-v", "apply", "-f"]
     proc = subprocess.Popen(
-        [*command, str(project.config_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [*command, str(project.config_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
     )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)

@@ -28,6 +28,7 @@ import pytest
 from deployer.build.demo_model import make_smollm2_variant
 from deployer.demo.traffic import Traffic
 from tests.fleet.conftest import make_project
+from tests.lab.api_key import LAB_API_KEY, lab_agent
 from tests.lab.lab import Lab
 from tests.transport.proxy import CuttingProxy
 
@@ -55,7 +56,7 @@ def fleet(lab: Lab, tmp_path_factory, smollm2_dir: Path, smollm2_v2: Path):
     )
     project.write(
         "1.0.0",
-        agent={"host": "0.0.0.0", "port": PORT, "max_tokens": 16},
+        agent=lab_agent(project.config_path.parent, PORT),
         health={"readiness_timeout": "300s", "latency_budget_ms": 60000, "smoke_prompts": ["Hi"]},
     )
     return project
@@ -121,7 +122,7 @@ def test_rolling_v2_patch_with_no_failed_request(hub: Lab, fleet):
     assert fleet.run("build", "-q").exit_code == 0  # plan never builds (issue 18)
     plan = json.loads(fleet.run("plan", "--output", "json").stdout)
     assert {d["steps"][0]["kind"] for d in plan["devices"]} == {"send-patch"}, plan
-    with Traffic(_targets(hub), question=QUESTION, max_requests=400) as traffic:
+    with Traffic(_targets(hub), question=QUESTION, max_requests=400, api_key=LAB_API_KEY) as traffic:
         code, report = _apply(fleet)
     assert code == 0, report["results"]
     rows = _by_device(report)
@@ -198,7 +199,7 @@ def test_canary_v2_completes_when_every_step_passes_its_analysis(hub: Lab, fleet
     # From the previous test: dev1 on v2 (it was refused), dev2-5 on v1.
     strategy = {"type": "canary", "steps": [1, "50%", "100%"], "analysis_window": "2s"}
     fleet.write("2.0.0", strategy=strategy)
-    with Traffic(_targets(hub), question=QUESTION, max_requests=400) as traffic:
+    with Traffic(_targets(hub), question=QUESTION, max_requests=400, api_key=LAB_API_KEY) as traffic:
         code, report = _apply(fleet)
     assert code == 0, report["results"]
     rows = _by_device(report)

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from deployer.cli.main import cli as deployer_cli
 from deployer.demo.traffic import Traffic
+from tests.lab.api_key import LAB_API_KEY, lab_agent
 from tests.lab.lab import Lab
 from tests.lab.netns import HUB_ADDRESS
 from tests.pull.nginx import Nginx, start_nginx, stop_nginx
@@ -44,7 +45,7 @@ def pull_fleet(
         project.devices = hub.inventory(INDICES)
         project.publish_extra = {"base_url": nginx.url}
         project.extra = {
-            "agent": {"host": "0.0.0.0", "port": PORT, "max_tokens": 16},
+            "agent": lab_agent(project.config_path.parent, PORT),
             "health": {"readiness_timeout": "300s", "latency_budget_ms": 60000, "smoke_prompts": ["Hi"]},
         }
         yield project, nginx
@@ -77,7 +78,7 @@ def test_three_lab_devices_pull_v2_by_themselves_with_no_failed_request(hub: Lab
 
     project.publish(nginx.root, "2.0.0")
     targets = [(hub.device(i).address, PORT) for i in INDICES]
-    with Traffic(targets, question="Hi", max_requests=5000) as traffic:
+    with Traffic(targets, question="Hi", max_requests=5000, api_key=LAB_API_KEY) as traffic:
         for i in INDICES:
             hub.nsenter(i, ["systemctl", "start", "sits-poll.service"], timeout=600)
     assert traffic.report.failed == 0, traffic.report.errors
