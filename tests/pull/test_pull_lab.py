@@ -82,7 +82,7 @@ def test_three_lab_devices_pull_v2_by_themselves_with_no_failed_request(hub: Lab
         for i in INDICES:
             hub.nsenter(i, ["systemctl", "start", "sits-poll.service"], timeout=600)
     assert traffic.report.failed == 0, traffic.report.errors
-    assert traffic.report.versions.keys() >= {"tiny@1.0.0", "tiny@2.0.0"}, traffic.report
+    assert traffic.report.versions.keys() >= {"1.0.0", "2.0.0"}, traffic.report
     assert _status(project) == {f"dev{i}": ("2.0.0", "ready") for i in INDICES}
     for i in INDICES:
         state = json.loads(hub.nsenter(i, ["cat", "/var/lib/sits/pull/poll-state.json"]))
