@@ -8,15 +8,33 @@ from __future__ import annotations
 import os
 import re
 
-from deployer.config.models import Config
+from deployer.config.models import ApiKeys, Config, UpstreamKey
 from deployer.core.hashing import sha256_bytes
 from deployer.errors import ConfigError
 
-__all__ = ["API_KEYS_FILE", "controller_key", "key_file", "read_keys"]
+__all__ = ["API_KEYS_FILE", "controller_key", "key_file", "read_keys", "read_secret_source"]
 
 API_KEYS_FILE = "/etc/sits/api-keys"
 MIN_KEY_LENGTH = 16  # a guessable key is no key
 _SPLIT = re.compile(r"[\s,]+")
+
+
+def read_secret_source(
+    config: Config, source: ApiKeys | UpstreamKey, field: str, example: str
+) -> tuple[str, str]:
+    """(text, where it came from) of a secret deploy.yaml points to: an environment variable or a
+    file relative to deploy.yaml. ConfigError naming `field` and the source (never the value) when
+    the variable is unset or the file unreadable; `example` is the value shape the hint shows."""
+    if source.env is not None:
+        text, where = os.environ.get(source.env), f"${source.env}"
+        if text is None:
+            raise ConfigError(f"{field}: {where} is not set", hint=f"export {source.env}={example}")
+        return text, where
+    path = config.resolve(source.file or "")
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot read {path}: {exc.strerror}") from exc
 
 
 def read_keys(config: Config) -> tuple[str, ...]:
@@ -27,20 +45,7 @@ def read_keys(config: Config) -> tuple[str, ...]:
     source = config.agent.api_keys
     if source is None:
         return ()
-    if source.env is not None:
-        text = os.environ.get(source.env)
-        where = f"${source.env}"
-        if text is None:
-            raise ConfigError(
-                f"agent.api_keys: {where} is not set", hint=f"export {source.env}=<key>[,<key>...]"
-            )
-    else:
-        path = config.resolve(source.file or "")
-        where = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"agent.api_keys: cannot read {where}: {exc.strerror}") from exc
+    text, where = read_secret_source(config, source, "agent.api_keys", "<key>[,<key>...]")
     keys = tuple(k for k in _SPLIT.split(text) if k)
     if not keys:
         raise ConfigError(f"agent.api_keys: {where} holds no key", hint="one key per line or comma")

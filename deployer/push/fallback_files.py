@@ -8,7 +8,6 @@ agent reads it at start. No function here returns or raises a message containing
 
 from __future__ import annotations
 
-import os
 import posixpath
 import shlex
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from deployer.config.models import Config, Device, Fallback
 from deployer.errors import ConfigError
+from deployer.push.api_keys import read_secret_source
 from deployer.push.facts import FALLBACK_KEY_FILE, DeviceSite
 from deployer.transport import Transport
 
@@ -62,19 +62,7 @@ def _read_key(config: Config, fallback: Fallback) -> str | None:
     source = fallback.upstream.api_key if fallback.upstream else None
     if source is None:
         return None
-    if source.env is not None:
-        text, where = os.environ.get(source.env), f"${source.env}"
-        if not text:
-            raise ConfigError(
-                f"fallback.upstream.api_key: {where} is not set", hint=f"export {source.env}=<key>"
-            )
-    else:
-        path = config.resolve(source.file or "")
-        where = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"fallback.upstream.api_key: cannot read {where}: {exc.strerror}") from exc
+    text, where = read_secret_source(config, source, "fallback.upstream.api_key", "<key>")
     lines = text.strip().splitlines()
     if not lines or not lines[0].strip():
         raise ConfigError(
