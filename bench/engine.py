@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.engine_gpu import DEFAULT_SCHEMES, SCHEMES, SHAPES, gpu_table, gpu_worker  # noqa: E402 (after the path)
+from bench.engine_gpu import DEFAULT_SCHEMES, SCHEMES, SHAPES, gpu_table, gpu_verdict, gpu_worker  # noqa: E402 (after the path)
 
 PROMPT = "Write a long story about a robot who learns to paint. Use many details."
 NEW_TOKENS = 64
@@ -289,7 +289,10 @@ def run_gpu(shapes: list[str], schemes: list[str], repeats: int, device: str) ->
 
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     print(f"{name}, torch {torch.__version__}")
-    Console(width=250).print(gpu_table(rows, errors))
+    console = Console(width=260)
+    console.print(gpu_table(rows, errors))
+    for line in gpu_verdict(rows):
+        console.print(line)
 
 
 def main() -> None:

@@ -18,8 +18,18 @@ aggregate and >= llama-server at 4 clients; its p50 TTFT at 4 clients <= 2x sing
 `--soak N` instead sends N short requests to the llama.cpp agent and prints its RSS after 100 and
 after N, and the slope (the growth per 1,000 requests, and extrapolated to 72 hours at that rate).
 
+`--device cuda` serves random weights instead, in each shape of `--shapes` (SmolLM2-135M and a
+Qwen2.5-1.5B-like shape by default; bench/engine_gpu.py's builder, bf16), through the same agent
+with the torch engine on the GPU: CUDA graphs, 16 slots. The checkpoint gets SmolLM2's tokenizer
+and chat template (`--tokenizer`, default the cached SmolLM2), grown with placeholder tokens to
+the shape's vocabulary; the embedding rows of the end tokens are zero, so greedy decoding never
+ends a stream early. Target (an H200): aggregate at 16 clients >= 8x single. `--device cpu
+--shapes tiny` is a smoke run of that path. Tokens are counted from each stream's usage chunk.
+
     python bench/serve.py                        # the table
     python bench/serve.py --soak 10000           # the memory soak
+    PYTHONPATH=. python bench/serve.py --device cuda                     # GPU, random weights
+    PYTHONPATH=. python bench/serve.py --device cpu --shapes tiny --requests 1   # its smoke run
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ class Row:
 # -- servers -------------------------------------------------------------------------------------
 
 
-def child_agent(engine: str, artifact_dir: Path, threads: int) -> None:
+def child_agent(engine: str, artifact_dir: Path, threads: int, device: str) -> None:
     """An agent on 127.0.0.1 serving the artifact; prints its port, serves until stdin closes."""
     from deployer.agent.engines import make_engine
     from deployer.agent.http.server import AgentServer
@@ -79,6 +89,7 @@ def child_agent(engine: str, artifact_dir: Path, threads: int) -> None:
         port=0,
         root=Path(tempfile.mkdtemp(prefix="sits-bench-")),  # its own admin socket and key file
         engine=engine,
+        device=device,
         threads=threads,
         max_concurrent=16,
         queue_length=64,
@@ -88,7 +99,9 @@ def child_agent(engine: str, artifact_dir: Path, threads: int) -> None:
     )
 
     def factory():
-        return make_engine(engine, context_length=CONTEXT, threads=threads, slots=settings.max_concurrent)
+        return make_engine(
+            engine, context_length=CONTEXT, device=device, threads=threads, slots=settings.max_concurrent
+        )
 
     server = AgentServer(settings, factory)
     server.start()
@@ -161,9 +174,9 @@ class Server:
         self.process.wait(60)
 
 
-def start_agent(engine: str, artifact_dir: Path) -> Server:
-    args = [sys.executable, __file__, "--child-agent", engine, str(artifact_dir), "1"]
-    return Server(f"agent {engine}", args, "first line")
+def start_agent(engine: str, artifact_dir: Path, device: str = "cpu", name: str | None = None) -> Server:
+    args = [sys.executable, __file__, "--child-agent", engine, str(artifact_dir), "1", device]
+    return Server(name or f"agent {engine}", args, "first line")
 
 
 def llama_server_binary() -> Path:
@@ -184,15 +197,58 @@ def start_llama_server(binary: Path, gguf: Path, slots: int) -> Server:
     return Server(f"llama-server -np {slots}", args, "log")
 
 
+def random_model(shape: str, tokenizer_dir: Path, dest: Path) -> Path:
+    """A bf16 checkpoint in HF layout under `dest`: random weights in `shape` (bench/engine_gpu.py's
+    builder, on the GPU when there is one), the tokenizer and chat template of `tokenizer_dir`.
+
+    The vocabulary is the larger of the shape's and the tokenizer's; the tokenizer grows with
+    placeholder tokens to it, so every id the model can choose has text. The end tokens'
+    embedding rows (the tied head's rows) are zero: their logit is 0, below the best of thousands
+    of random ones, so no stream ends before its token budget.
+    """
+    import torch
+    from engine_gpu import SHAPES, random_checkpoint  # bench/engine_gpu.py
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    tok_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config = SHAPES[shape] | {"torch_dtype": "bfloat16"}
+    config["vocab_size"] = max(config["vocab_size"], tokenizer.get_vocab_size())
+    have = tokenizer.get_vocab_size()
+    tokenizer.add_tokens([f"<r{i}>" for i in range(have, config["vocab_size"])])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensors, _ = random_checkpoint(config, "bf16", device)
+    embed = tensors["model.embed_tokens.weight"]
+    for end in {config["eos_token_id"], tokenizer.token_to_id(tok_config["eos_token"])} - {None}:
+        embed[end] = 0
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.cpu().contiguous() for name, t in tensors.items()}, str(dest / "model.safetensors"))
+    tokenizer.save(str(dest / "tokenizer.json"))
+    (dest / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
 # -- clients -------------------------------------------------------------------------------------
 
 
-def stream_once(server: Server, tokens: int) -> tuple[float, list[float]]:
-    """One streamed chat completion: (start, arrival time of every chunk with text)."""
+@dataclass(frozen=True)
+class Stream:
+    """One streamed completion: when it was sent, when each chunk with text came, and how many
+    tokens the usage chunk counted."""
+
+    start: float
+    stamps: list[float]
+    tokens: int
+
+
+def stream_once(server: Server, tokens: int) -> Stream:
+    """One streamed chat completion, with the usage chunk asked for."""
     body = {"model": server.model, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0}
-    body["stream"] = True
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
     conn = HTTPConnection("127.0.0.1", server.port, timeout=600)
-    start, stamps = time.perf_counter(), []
+    start, stamps, counted = time.perf_counter(), [], None
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
@@ -202,13 +258,17 @@ def stream_once(server: Server, tokens: int) -> tuple[float, list[float]]:
             chunk = json.loads(line[6:])
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                counted = chunk["usage"]["completion_tokens"]
     conn.close()
-    return start, stamps
+    if counted is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    return Stream(start, stamps, counted)
 
 
 def measure(server: Server, clients: int, requests: int, tokens: int) -> Row:
     """`clients` threads, each streaming `requests` completions in turn."""
-    runs: list[tuple[float, list[float]]] = []
+    runs: list[Stream] = []
     errors: list[str] = []
     lock = threading.Lock()
 
@@ -231,8 +291,8 @@ def measure(server: Server, clients: int, requests: int, tokens: int) -> Row:
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
-    total = sum(len(stamps) for _, stamps in runs)
-    ttft = statistics.median((stamps[0] - start) * 1000 for start, stamps in runs if stamps)
+    total = sum(run.tokens for run in runs)
+    ttft = statistics.median((run.stamps[0] - run.start) * 1000 for run in runs if run.stamps)
     return Row(server.name, clients, len(runs), total, total / wall, ttft, len(errors))
 
 
@@ -282,6 +342,43 @@ def verdict(rows: list[Row]) -> list[str]:
         ratio = ours4.aggregate_tok_s / peer4.aggregate_tok_s
         lines.append(f"aggregate at 4 clients vs llama-server -np 4: {ratio:.2f}x (target >= 1x)")
     return lines
+
+
+def random_verdict(rows: list[Row]) -> list[str]:
+    """The GPU target of each random-weight server, with its figures."""
+    get = {(r.server, r.clients): r for r in rows}
+    lines = []
+    for server in dict.fromkeys(r.server for r in rows):
+        one, many = get.get((server, 1)), get.get((server, CLIENTS[-1]))
+        if one and many:
+            scale = many.aggregate_tok_s / one.aggregate_tok_s
+            lines.append(
+                f"{server}: aggregate at {many.clients} clients / single: {scale:.2f}x (target >= 8x)"
+            )
+    return lines
+
+
+def serve_random(shapes: list[str], device: str, tokenizer_dir: Path, requests: int, tokens: int) -> None:
+    """The agent with the torch engine on `device`, serving random weights in each shape; one table."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="sits-bench-random-") as tmp:
+        for shape in shapes:
+            model = random_model(shape, tokenizer_dir, Path(tmp) / shape)
+            server = start_agent("torch", model, device, f"agent torch {shape}")
+            try:
+                for clients in CLIENTS:
+                    rows.append(measure(server, clients, requests, tokens))
+                    print(rows[-1], flush=True)
+            finally:
+                server.stop()
+    import torch
+
+    where = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} CPUs"
+    title = f"Random weights, bf16, torch engine on {where}, 16 slots, {tokens} tokens per stream, greedy"
+    console = Console(width=150)
+    console.print(table(rows, title))
+    for line in random_verdict(rows):
+        console.print(line)
 
 
 def soak(gguf: Path, requests: int) -> None:
@@ -334,11 +431,27 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip the torch engine rows")
     parser.add_argument("--no-llama-server", action="store_true", help="skip the llama-server rows")
     parser.add_argument("--soak", type=int, metavar="N", help="run N short requests and report RSS")
-    parser.add_argument("--child-agent", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="serve random weights (torch engine)")
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        default=["SmolLM2-135M", "Qwen2.5-1.5B"],
+        help="with --device (tiny: a smoke run)",
+    )
+    parser.add_argument(
+        "--tokenizer", type=Path, help="with --device: tokenizer.json and tokenizer_config.json"
+    )
+    parser.add_argument("--child-agent", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_agent:
-        engine, directory, threads = args.child_agent
-        child_agent(engine, Path(directory), int(threads))
+        engine, directory, threads, device = args.child_agent
+        child_agent(engine, Path(directory), int(threads), device)
+        return
+    if args.device:
+        from deployer.build.demo_model import prepare_smollm2
+
+        tokenizer_dir = args.tokenizer or prepare_smollm2()
+        serve_random(args.shapes, args.device, tokenizer_dir, args.requests, args.tokens)
         return
     gguf, torch_dir = artifacts("int8")
     if args.soak:

@@ -115,6 +115,19 @@ def test_bad_slots_and_prompts_are_refused(varied_model_dir, engine_on):
     assert engine.max_slots == 2
 
 
+def test_an_engine_with_compile_off_runs_eager_layers_on_a_model_compiled_before(varied_model_dir, engine_on):
+    from deployer.agent.engines.torch_engine import TorchEngine
+
+    compiled = engine_on(varied_model_dir)
+    layers = compiled._loaded.model.model.layers
+    for layer in layers:
+        layer.compile()  # lazy: as an engine with compile on leaves them, without compiling here
+    eager = TorchEngine(max_context=256, slots=4, compile="off")
+    eager.attach(compiled._loaded)
+    assert all(layer._compiled_call_impl is None for layer in layers)
+    assert eager.describe().extra["compile"] == "off"
+
+
 def test_compile_that_fails_falls_back_to_eager_with_the_reason(varied_model_dir, engine_on, monkeypatch):
     # A fake: torch.compile works here, so stand in for a device without a C++ compiler.
     def broken_compile(self, *args, **kwargs):

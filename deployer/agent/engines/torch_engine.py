@@ -512,6 +512,8 @@ def _prepare(
     layers = loaded.model.model.layers
     if want_compile:
         decode.compiled, decode.compile_note = _compile_layers(loaded, io)
+    else:
+        _uncompile(layers)  # an earlier engine on the same model may have compiled them
     if not want_graphs:
         note = "eager (CUDA graphs are for CUDA devices)" if loaded.device.type != "cuda" else "eager (off)"
         decode.graph_note = decode.prefill_note = note
