@@ -9,7 +9,9 @@ and never fought over. Its loop, between two decode steps:
    consumer stopped reading for longer than `stall_timeout_s`, or that waited longer than
    `queue_timeout_s` for a slot; their slots are released;
 3. admits waiting requests into free slots (prefill: the first token);
-4. advances every running request by one token with a single `engine.step`.
+4. advances every running request by one token with a single `engine.step`. A request that fails
+   on its own in a step (its grammar allows no token, its slot is full) ends with its error; the
+   others get their tokens as without it. Only a failure of the step itself ends them all.
 
 A request's events travel to its consumer through a bounded buffer. A full buffer pauses that request
 (it sits out the steps, the others go on) until its consumer reads again or the stall deadline drops
@@ -539,34 +541,44 @@ class Scheduler:
 
     def _prefill(self, request: _Request) -> None:
         try:
-            request.feed.token = self.engine.prefill(request.slot, request.prompt, request.params)
-            event = next(request.events)
+            token = self.engine.prefill(request.slot, request.prompt, request.params)
         except Exception as exc:
-            self._release(request)
-            request.push(exc)
+            self._fail(request, exc)
             return
-        self._deliver(request, event)
+        self._advance(request, token)
 
     def _step(self, runnable: list[_Request]) -> None:
-        engine = self.engine
         try:
-            tokens = engine.step([r.slot for r in runnable])
-            events = []
-            for request, token in zip(runnable, tokens, strict=True):
-                request.feed.token = token
-                events.append(next(request.events))
-        except Exception as exc:
+            results = self.engine.step([r.slot for r in runnable])
+        except Exception as exc:  # the step itself failed (its forward pass): every request in it
             for request in runnable:
-                self._release(request)
-                request.push(exc)
+                self._fail(request, exc)
             return
-        for request, event in zip(runnable, events, strict=True):
-            self._deliver(request, event)
+        # A request that failed on its own (its grammar, its slot) ends alone: the engine gave the
+        # others their tokens as if it had not been in the batch.
+        for request, result in zip(runnable, results, strict=True):
+            if isinstance(result, Exception):
+                self._fail(request, result)
+            else:
+                self._advance(request, result)
 
-    def _deliver(self, request: _Request, event: TokenEvent) -> None:
+    def _advance(self, request: _Request, token: int) -> None:
+        """Turn the request's new token into its event (text, stop strings, logprobs) and hand it
+        over; what fails there fails this request only."""
+        request.feed.token = token
+        try:
+            event = next(request.events)
+        except Exception as exc:
+            self._fail(request, exc)
+            return
         request.push(event)
         if event.finish_reason is not None:
             self._release(request)
+
+    def _fail(self, request: _Request, error: Exception) -> None:
+        """End the request with `error`, its slot freed."""
+        self._release(request)
+        request.push(error)
 
     def _release(self, request: _Request) -> None:
         """Free the request's slot (engine thread)."""

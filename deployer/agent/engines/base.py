@@ -115,6 +115,13 @@ def token_budget(prompt: Sequence[int], params: SamplingParams, context_length: 
     return min(params.max_tokens, room)
 
 
+def token_of(result: int | Exception) -> int:
+    """One sequence's outcome of `Engine.step`: its token, or its exception raised."""
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading ids two sequences share (prefix reuse in a slot's cache; benches compare
     greedy runs with it)."""
@@ -198,9 +205,15 @@ class Engine(abc.ABC):
         return free[0]
 
     @abc.abstractmethod
-    def step(self, slots: Sequence[int]) -> list[int]:
+    def step(self, slots: Sequence[int]) -> list[int | Exception]:
         """One decode step for each of `slots` (each continues from its last token); the next token
-        id of each, in the same order."""
+        id of each, in the same order.
+
+        A sequence that fails on its own (its grammar allows no token, its cache is full, its logit
+        processing raised) has its exception in its place, as asyncio.gather's return_exceptions
+        does, and stops running (release its slot); the others get their tokens as if it had not
+        been there. What fails the whole step (slots that are not running, the forward pass itself)
+        raises."""
 
     @abc.abstractmethod
     def release(self, slot: int) -> None:

@@ -38,6 +38,7 @@ from deployer.agent.engines.base import (
     TokenEvent,
     TokenLogprobs,
     token_budget,
+    token_of,
 )
 from deployer.agent.engines.llamacpp_batch import BatchContext
 from deployer.agent.engines.logits import TokenProcessor, Vocabulary
@@ -301,7 +302,7 @@ class LlamaCppEngine(Engine):
         processor = self._processor(loaded, params)
         return _on_llama_thread(loaded.batch.prefill, slot, list(prompt), params, processor)
 
-    def step(self, slots: Sequence[int]) -> list[int]:
+    def step(self, slots: Sequence[int]) -> list[int | Exception]:
         """See Engine.step: one llama_decode for all `slots`, on the llama.cpp thread."""
         return _on_llama_thread(self._require().batch.step, list(slots))
 
@@ -346,7 +347,7 @@ class LlamaCppEngine(Engine):
     def _tokens(self, loaded: _Loaded, prompt: list[int], params: SamplingParams) -> Iterator[int]:
         yield _on_llama_thread(loaded.batch.prefill, 0, prompt, params, self._processor(loaded, params))
         while True:
-            yield _on_llama_thread(loaded.batch.step, [0])[0]
+            yield token_of(_on_llama_thread(loaded.batch.step, [0])[0])
 
     @staticmethod
     def _processor(loaded: _Loaded, params: SamplingParams) -> TokenProcessor | None:
