@@ -1,9 +1,11 @@
 """The scheduler end to end over HTTP with the official openai client, on both engines: 1, 4 and 16
 concurrent streams batched together answer exactly what each stream alone answers (greedy), the
-gauges come back to zero, and hot swaps under 16 streaming clients fail no request."""
+gauges come back to zero, a request whose grammar refuses mid-batch fails alone, and hot swaps
+under 16 streaming clients fail no request."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +17,8 @@ import pytest
 
 from deployer.agent.engines import make_engine
 from deployer.agent.scheduler import SchedulerCounts
+from tests.agent_server.conftest import GatedEngine, metric_is
+from tests.grammars import DEAD_END_SCHEMA as DEAD_END
 from tests.llamacpp.conftest import (  # noqa: F401 (fixtures)
     gguf_store,
     needs_llama_cpp,
@@ -120,6 +124,59 @@ def test_concurrent_streams_answer_as_one_stream_alone(concurrent_agent, wait_un
     wait_until(lambda: agent.manager.counts().running == 0, "every slot returned")
     assert agent.metrics.value("sits_requests_running") == 0
     assert agent.metrics.value("sits_requests_waiting") == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_request_whose_grammar_refuses_fails_alone_beside_streams(
+    request, start_agent, tiny_model_dir, engine, wait_until
+):
+    real = engine == "llama.cpp"
+    gate, generating = threading.Event(), threading.Event()
+    gate.set()
+    factory = _factory(engine)
+    agent = start_agent(
+        load=False,
+        factory=lambda: GatedEngine(factory(), gate, generating),
+        max_concurrent=SLOTS,
+        max_tokens=GatedEngine.GATED_FROM,
+    )
+    assert agent.reload(request.getfixturevalue("smollm2_gguf_dir") if real else tiny_model_dir, "v1").ok
+    served = Served(engine, agent.manager.active_info().model, real, QUESTIONS if real else TINY_PROMPTS)
+    client = _client(agent)
+    prompts = served.prompts[:3]
+    long = GatedEngine.GATED_FROM  # held after their first token while the gate is closed
+    alone = [_stream(client, served, p, max_tokens=long) for p in prompts]
+    gate.clear()
+    generating.clear()
+
+    def refusing(stream: bool) -> str | None:
+        """The error code the client raises for a chat whose schema dead-ends after `{"a":`."""
+        try:
+            answer = client.chat.completions.create(
+                model=served.model,
+                messages=[{"role": "user", "content": "Answer in JSON."}],
+                response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": DEAD_END}},
+                temperature=0,
+                stream=stream,
+            )
+            if stream:
+                list(answer)
+        except openai.APIError as exc:
+            return exc.code
+        return None
+
+    with ThreadPoolExecutor(5) as pool:
+        others = [pool.submit(_stream, client, served, p, long) for p in prompts]
+        assert generating.wait(60)
+        bad = [pool.submit(refusing, stream) for stream in (True, False)]
+        # Everyone is in before the batch goes on: the refusals come in steps beside the streams.
+        wait_until(lambda: sum(dataclasses.astuple(agent.manager.counts())) == 5, "all five submitted")
+        gate.set()
+        assert [b.result() for b in bad] == ["grammar_dead_end", "grammar_dead_end"]
+        assert [o.result() for o in others] == alone
+    bad_requests = metric_is(agent, "sits_requests_total", 1, endpoint="/v1/chat/completions", status="400")
+    wait_until(bad_requests, "the non-streamed refusal counted as a 400")
+    wait_until(lambda: agent.manager.counts() == SchedulerCounts(0, 0), "every slot returned")
 
 
 @pytest.fixture(params=ENGINES)
