@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from deployer.errors import AgentError
 
@@ -113,6 +114,29 @@ def token_budget(prompt: Sequence[int], params: SamplingParams, context_length: 
             hint="shorten the prompt",
         )
     return min(params.max_tokens, room)
+
+
+# An embedding request's work between two decode steps: inputs are grouped up to this many tokens.
+# A piece stalls the running batch as a prompt of its length would (prefill is not split either).
+EMBED_PIECE_TOKENS = 64
+Embedding = Generator[None, None, tuple[list[list[float]], int]]  # see Engine.embed_pieces
+T = TypeVar("T")
+
+
+def in_pieces(items: Iterable[T], tokens: Callable[[T], int]) -> Iterator[list[T]]:
+    """Consecutive `items` grouped into pieces of at most EMBED_PIECE_TOKENS tokens each (`tokens`
+    counts an item's); an item longer than that is a piece alone."""
+    piece: list[T] = []
+    size = 0
+    for item in items:
+        n = tokens(item)
+        if piece and size + n > EMBED_PIECE_TOKENS:
+            yield piece
+            piece, size = [], 0
+        piece.append(item)
+        size += n
+    if piece:
+        yield piece
 
 
 def token_of(result: int | Exception) -> int:
@@ -257,7 +281,19 @@ class Engine(abc.ABC):
 
     def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
         """Each text's embedding (the mean of the model's last hidden states, L2-normalised) and the
-        number of tokens read."""
+        number of tokens read: `embed_pieces` run to its end."""
+        pieces = self.embed_pieces(texts)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+
+    def embed_pieces(self, texts: Sequence[str]) -> Embedding:
+        """`embed` a piece at a time: the generator yields between pieces of inputs of up to
+        EMBED_PIECE_TOKENS tokens together (a longer input is a piece alone; none is split), so the
+        scheduler can run decode steps in between, and returns what `embed` returns. AgentError
+        at once when the engine has no embeddings."""
         raise AgentError(f"the {type(self).__name__} engine has no embeddings")
 
     @abc.abstractmethod

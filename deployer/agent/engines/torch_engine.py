@@ -26,12 +26,14 @@ from torch import nn
 from deployer.agent.chat import ChatTemplate, TextCodec, infill_prompt, read_tokenizer_config
 from deployer.agent.engines.base import (
     ChatMessage,
+    Embedding,
     Engine,
     EngineInfo,
     SamplingParams,
     TokenEvent,
     TokenLogprobs,
     common_prefix,
+    in_pieces,
     token_budget,
     token_of,
 )
@@ -245,26 +247,30 @@ class TorchEngine(Engine):
             codec.token_id, lambda text: codec.encode(text, add_special_tokens=False), prefix, suffix
         )
 
-    @torch.inference_mode()
-    def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
-        """Mean of the last hidden states over each text's tokens, L2-normalised; see Engine.embed.
-
-        Runs in a slot no sequence is using (AgentError when every one is generating)."""
+    def embed_pieces(self, texts: Sequence[str]) -> Embedding:
+        """Mean of the last hidden states over each text's tokens, L2-normalised, in pieces; see
+        Engine.embed_pieces. Runs outside the KV cache: no slot is needed or disturbed."""
         loaded, codec = self._require(), self._require_text()
-        free = next((i for i, state in enumerate(self._state) if state.last is None), None)
-        if free is None:
-            raise AgentError("every slot is generating; no room to embed", hint="retry shortly")
-        vectors, count = [], 0
-        for text in texts:
-            ids = codec.encode(text, add_special_tokens=True)
-            if not ids or len(ids) > loaded.model.max_len:
-                raise AgentError(f"an input has {len(ids)} tokens; embeddings take 1..{loaded.model.max_len}")
-            tokens = torch.tensor([ids], dtype=torch.long, device=loaded.device)
-            mean = loaded.model.hidden_states(tokens, free)[0].float().mean(dim=0)
-            vectors.append((mean / mean.norm().clamp_min(1e-12)).cpu().tolist())
-            count += len(ids)
-        self._state[free] = _Slot()  # its cache holds the inputs now, no prefix worth reusing
+        vectors: list[list[float]] = []
+        count = 0
+        inputs = (codec.encode(text, add_special_tokens=True) for text in texts)
+        for i, piece in enumerate(in_pieces(inputs, len)):
+            if i:
+                yield  # decode steps run here
+            for ids in piece:
+                if not ids or len(ids) > loaded.model.max_len:
+                    raise AgentError(
+                        f"an input has {len(ids)} tokens; embeddings take 1..{loaded.model.max_len}"
+                    )
+                vectors.append(self._embed_one(loaded, ids))
+                count += len(ids)
         return vectors, count
+
+    @torch.inference_mode()
+    def _embed_one(self, loaded: LoadedModel, ids: list[int]) -> list[float]:
+        tokens = torch.tensor([ids], dtype=torch.long, device=loaded.device)
+        mean = loaded.model.hidden_states(tokens)[0].float().mean(dim=0)
+        return (mean / mean.norm().clamp_min(1e-12)).cpu().tolist()
 
     @property
     def end_ids(self) -> frozenset[int]:
