@@ -4,7 +4,9 @@ One thread per loaded engine runs every call that computes (load, warm-up, prefi
 unload), so per-thread runtime state (torch's OpenMP team size, llama.cpp's thread) is set once
 and never fought over. Its loop, between two decode steps:
 
-1. runs queued engine calls (`run`, e.g. load or unload);
+1. runs queued engine calls (`run`, e.g. load or unload), and one piece of work given in pieces
+   (`run_in_pieces`, e.g. an embedding: each of those in turn), so a long computation delays the
+   batch by one of its pieces per step rather than by all of it;
 2. drops requests that were cancelled, abandoned (their `Generation` was garbage-collected), whose
    consumer stopped reading for longer than `stall_timeout_s`, or that waited longer than
    `queue_timeout_s` for a slot; their slots are released;
@@ -31,8 +33,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -341,6 +343,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._pieces: deque[tuple[Generator[None, None, Any], Future]] = deque()
         self._running: dict[int, _Request] = {}
         self._closing = False
         self._final: Callable[[], None] | None = None
@@ -362,6 +365,21 @@ class Scheduler:
             self._calls.append((fn, future))
             self._cond.notify()
         return future.result()
+
+    def run_in_pieces(self, work: Generator[None, None, T]) -> Future[T]:
+        """Run `work` on the engine thread a piece at a time (a piece: up to its next yield); the
+        future gets what it returns or raises.
+
+        While requests are decoding, one piece (of all such work, in turn) runs between two decode
+        steps; otherwise the pieces run back to back. Cancelling the future drops the work before
+        its next piece. Raises EngineStopped once the scheduler is closing."""
+        future: Future[T] = Future()
+        with self._cond:
+            if self._closing or self._stopped:
+                raise EngineStopped("this model is being unloaded", hint="retry: a newer model serves")
+            self._pieces.append((work, future))
+            self._cond.notify()
+        return future
 
     def counts(self) -> SchedulerCounts:
         """Requests running in the batch and waiting for a slot, now."""
@@ -449,19 +467,23 @@ class Scheduler:
                 now = time.monotonic()
                 calls = list(self._calls)
                 self._calls.clear()
+                piece = self._next_piece()
                 expired = self._expire_waiting(now)
                 admitted = self._admit()
                 dropped = [r for r in self._running.values() if r.cancelled or self._stalled(r, now)]
                 runnable = [r for r in self._running.values() if not r.paused and not r.cancelled]
                 # A request cancelled while waiting changes the counts and nothing else.
                 cancelled_waiting = len(self._waiting) != waiting_before
-                if calls or expired or admitted or dropped or runnable or cancelled_waiting:
+                work = calls or piece or expired or admitted or dropped or runnable
+                if work or cancelled_waiting:
                     break
                 if self._closing and not self._running and not self._waiting:
                     return False
                 self._cond.wait(self._next_deadline(now))
         for fn, future in calls:
             _run_call(fn, future)
+        if piece is not None:
+            self._run_piece(*piece)
         for request in expired:
             request.push(QueueTimeout(f"waited {self.limits.queue_timeout_s:.0f} s for a free slot"))
         for request in dropped:
@@ -491,6 +513,27 @@ class Scheduler:
             if counts != self._reported:
                 self._reported = counts
                 self._on_change()
+
+    def _next_piece(self) -> tuple[Generator[None, None, Any], Future] | None:
+        """The work whose turn it is for a piece, dropping work whose future was cancelled (lock held)."""
+        while self._pieces:
+            work, future = self._pieces.popleft()
+            if not future.cancelled():
+                return work, future
+            work.close()
+        return None
+
+    def _run_piece(self, work: Generator[None, None, Any], future: Future) -> None:
+        """One piece of `work`; back in line after the others when it has more to do."""
+        try:
+            next(work)
+        except StopIteration as done:
+            _settle(future, result=done.value)
+        except Exception as exc:  # handed to whoever waits on the future
+            _settle(future, error=exc)
+        else:
+            with self._cond:
+                self._pieces.append((work, future))
 
     def _expire_waiting(self, now: float) -> list[_Request]:
         """Drop cancelled waiting requests; take out those that waited too long (lock held)."""
@@ -599,11 +642,25 @@ class Scheduler:
             self._running.clear()
             calls = list(self._calls)
             self._calls.clear()
+            pieces = list(self._pieces)
+            self._pieces.clear()
         for request in requests:
             request.push(error)
         for _, future in calls:
             future.set_exception(error)
+        for work, future in pieces:
+            work.close()
+            _settle(future, error=error)
         self._report()
+
+
+def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    """Set a piece-wise work's outcome, unless its future was cancelled meanwhile."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def _run_call(fn: Callable[[], Any], future: Future) -> None:

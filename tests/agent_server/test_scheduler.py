@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -94,6 +95,41 @@ def test_a_request_whose_grammar_refuses_fails_alone(make, wait_until):
     assert "".join(written) == '{"a":'  # the refusal came in a step, beside the others
     assert [_tokens(g) for g in others] == alone
     wait_until(lambda: scheduler.counts() == SchedulerCounts(0, 0), "every slot freed")
+
+
+def test_work_in_pieces_runs_a_piece_between_two_decode_steps(make):
+    scheduler = make()
+    engine = scheduler.engine
+    log: list[str] = []  # written on the engine thread only
+    queued = threading.Event()
+    step = engine.step
+
+    def logged_step(slots):
+        assert queued.wait(60)  # hold the batch until the work is handed over
+        log.append("step")
+        return step(slots)
+
+    engine.step = logged_step  # the scheduler's engine, on this instance only
+
+    def work(n):
+        for _ in range(n):
+            log.append("piece")
+            yield
+        return "done"
+
+    never_end = tuple((token, -100.0) for token in engine.end_ids)
+    long = SamplingParams(max_tokens=200, temperature=0.0, logit_bias=never_end)
+    generations = [scheduler.submit(p, long) for p in PROMPTS]
+    done = scheduler.run_in_pieces(work(5))
+    dropped = scheduler.run_in_pieces(work(100))
+    dropped.cancel()
+    queued.set()
+    assert done.result(60) == "done"
+    pieces = [i for i, entry in enumerate(log) if entry == "piece"]
+    assert len(pieces) == 5  # the cancelled work never ran
+    assert all(b - a > 1 for a, b in itertools.pairwise(pieces)), log
+    for generation in generations:
+        generation.cancel()
 
 
 def test_the_queue_is_bounded_and_a_cancelled_request_frees_its_slot(make, wait_until):
