@@ -23,6 +23,7 @@ boundaries, so callers only ever catch these::
     │   └── RefusedError          it answered but refused us (auth): never retried, never "offline"
     │       └── HostKeyError          unknown or changed host key: never trusted silently
     └── AgentError            the device agent refused or failed an operation
+        └── GrammarError          a request's output constraints left its model no token to write
 
 This module imports nothing but the standard library: the device agent uses it too.
 """
@@ -38,6 +39,7 @@ __all__ = [
     "ConfigError",
     "ExpiredError",
     "FormatError",
+    "GrammarError",
     "HashMismatchError",
     "HookError",
     "HostKeyError",
@@ -171,3 +173,8 @@ class HostKeyError(RefusedError):
 
 class AgentError(SitsError):
     """The device agent refused or failed an operation."""
+
+
+class GrammarError(AgentError):
+    """A request's grammar (response_format, tools) refused to go on: it allows no token at this
+    point, or refused the one picked. The request has failed; requests beside it are unaffected."""

@@ -4,12 +4,16 @@ One thread per loaded engine runs every call that computes (load, warm-up, prefi
 unload), so per-thread runtime state (torch's OpenMP team size, llama.cpp's thread) is set once
 and never fought over. Its loop, between two decode steps:
 
-1. runs queued engine calls (`run`, e.g. load or unload);
+1. runs queued engine calls (`run`, e.g. load or unload), and one piece of work given in pieces
+   (`run_in_pieces`, e.g. an embedding: each of those in turn), so a long computation delays the
+   batch by one of its pieces per step rather than by all of it;
 2. drops requests that were cancelled, abandoned (their `Generation` was garbage-collected), whose
    consumer stopped reading for longer than `stall_timeout_s`, or that waited longer than
    `queue_timeout_s` for a slot; their slots are released;
 3. admits waiting requests into free slots (prefill: the first token);
-4. advances every running request by one token with a single `engine.step`.
+4. advances every running request by one token with a single `engine.step`. A request that fails
+   on its own in a step (its grammar allows no token, its slot is full) ends with its error; the
+   others get their tokens as without it. Only a failure of the step itself ends them all.
 
 A request's events travel to its consumer through a bounded buffer. A full buffer pauses that request
 (it sits out the steps, the others go on) until its consumer reads again or the stall deadline drops
@@ -29,8 +33,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -339,6 +343,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._pieces: deque[tuple[Generator[None, None, Any], Future]] = deque()
         self._running: dict[int, _Request] = {}
         self._closing = False
         self._final: Callable[[], None] | None = None
@@ -360,6 +365,21 @@ class Scheduler:
             self._calls.append((fn, future))
             self._cond.notify()
         return future.result()
+
+    def run_in_pieces(self, work: Generator[None, None, T]) -> Future[T]:
+        """Run `work` on the engine thread a piece at a time (a piece: up to its next yield); the
+        future gets what it returns or raises.
+
+        While requests are decoding, one piece (of all such work, in turn) runs between two decode
+        steps; otherwise the pieces run back to back. Cancelling the future drops the work before
+        its next piece. Raises EngineStopped once the scheduler is closing."""
+        future: Future[T] = Future()
+        with self._cond:
+            if self._closing or self._stopped:
+                raise EngineStopped("this model is being unloaded", hint="retry: a newer model serves")
+            self._pieces.append((work, future))
+            self._cond.notify()
+        return future
 
     def counts(self) -> SchedulerCounts:
         """Requests running in the batch and waiting for a slot, now."""
@@ -447,19 +467,23 @@ class Scheduler:
                 now = time.monotonic()
                 calls = list(self._calls)
                 self._calls.clear()
+                piece = self._next_piece()
                 expired = self._expire_waiting(now)
                 admitted = self._admit()
                 dropped = [r for r in self._running.values() if r.cancelled or self._stalled(r, now)]
                 runnable = [r for r in self._running.values() if not r.paused and not r.cancelled]
                 # A request cancelled while waiting changes the counts and nothing else.
                 cancelled_waiting = len(self._waiting) != waiting_before
-                if calls or expired or admitted or dropped or runnable or cancelled_waiting:
+                work = calls or piece or expired or admitted or dropped or runnable
+                if work or cancelled_waiting:
                     break
                 if self._closing and not self._running and not self._waiting:
                     return False
                 self._cond.wait(self._next_deadline(now))
         for fn, future in calls:
             _run_call(fn, future)
+        if piece is not None:
+            self._run_piece(*piece)
         for request in expired:
             request.push(QueueTimeout(f"waited {self.limits.queue_timeout_s:.0f} s for a free slot"))
         for request in dropped:
@@ -489,6 +513,27 @@ class Scheduler:
             if counts != self._reported:
                 self._reported = counts
                 self._on_change()
+
+    def _next_piece(self) -> tuple[Generator[None, None, Any], Future] | None:
+        """The work whose turn it is for a piece, dropping work whose future was cancelled (lock held)."""
+        while self._pieces:
+            work, future = self._pieces.popleft()
+            if not future.cancelled():
+                return work, future
+            work.close()
+        return None
+
+    def _run_piece(self, work: Generator[None, None, Any], future: Future) -> None:
+        """One piece of `work`; back in line after the others when it has more to do."""
+        try:
+            next(work)
+        except StopIteration as done:
+            _settle(future, result=done.value)
+        except Exception as exc:  # handed to whoever waits on the future
+            _settle(future, error=exc)
+        else:
+            with self._cond:
+                self._pieces.append((work, future))
 
     def _expire_waiting(self, now: float) -> list[_Request]:
         """Drop cancelled waiting requests; take out those that waited too long (lock held)."""
@@ -539,34 +584,44 @@ class Scheduler:
 
     def _prefill(self, request: _Request) -> None:
         try:
-            request.feed.token = self.engine.prefill(request.slot, request.prompt, request.params)
-            event = next(request.events)
+            token = self.engine.prefill(request.slot, request.prompt, request.params)
         except Exception as exc:
-            self._release(request)
-            request.push(exc)
+            self._fail(request, exc)
             return
-        self._deliver(request, event)
+        self._advance(request, token)
 
     def _step(self, runnable: list[_Request]) -> None:
-        engine = self.engine
         try:
-            tokens = engine.step([r.slot for r in runnable])
-            events = []
-            for request, token in zip(runnable, tokens, strict=True):
-                request.feed.token = token
-                events.append(next(request.events))
-        except Exception as exc:
+            results = self.engine.step([r.slot for r in runnable])
+        except Exception as exc:  # the step itself failed (its forward pass): every request in it
             for request in runnable:
-                self._release(request)
-                request.push(exc)
+                self._fail(request, exc)
             return
-        for request, event in zip(runnable, events, strict=True):
-            self._deliver(request, event)
+        # A request that failed on its own (its grammar, its slot) ends alone: the engine gave the
+        # others their tokens as if it had not been in the batch.
+        for request, result in zip(runnable, results, strict=True):
+            if isinstance(result, Exception):
+                self._fail(request, result)
+            else:
+                self._advance(request, result)
 
-    def _deliver(self, request: _Request, event: TokenEvent) -> None:
+    def _advance(self, request: _Request, token: int) -> None:
+        """Turn the request's new token into its event (text, stop strings, logprobs) and hand it
+        over; what fails there fails this request only."""
+        request.feed.token = token
+        try:
+            event = next(request.events)
+        except Exception as exc:
+            self._fail(request, exc)
+            return
         request.push(event)
         if event.finish_reason is not None:
             self._release(request)
+
+    def _fail(self, request: _Request, error: Exception) -> None:
+        """End the request with `error`, its slot freed."""
+        self._release(request)
+        request.push(error)
 
     def _release(self, request: _Request) -> None:
         """Free the request's slot (engine thread)."""
@@ -587,11 +642,25 @@ class Scheduler:
             self._running.clear()
             calls = list(self._calls)
             self._calls.clear()
+            pieces = list(self._pieces)
+            self._pieces.clear()
         for request in requests:
             request.push(error)
         for _, future in calls:
             future.set_exception(error)
+        for work, future in pieces:
+            work.close()
+            _settle(future, error=error)
         self._report()
+
+
+def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    """Set a piece-wise work's outcome, unless its future was cancelled meanwhile."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def _run_call(fn: Callable[[], Any], future: Future) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -24,7 +25,8 @@ from deployer.agent.scheduler import (
     SchedulerCounts,
     SchedulerLimits,
 )
-from deployer.errors import AgentError
+from deployer.errors import AgentError, GrammarError
+from tests.grammars import dead_end_grammar
 from tests.llamacpp.conftest import gguf_store, needs_llama_cpp, tiny_gguf_dir  # noqa: F401 (fixtures)
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
@@ -75,6 +77,59 @@ def test_requests_in_one_batch_answer_as_they_do_alone(make):
     assert [_tokens(g) for g in generations] == alone
     assert all(len(tokens) == 16 for tokens in alone)
     assert len({tuple(t) for t in alone}) > 1
+
+
+def test_a_request_whose_grammar_refuses_fails_alone(make, wait_until):
+    scheduler = make()
+    alone = [_tokens(scheduler.submit(p, GREEDY)) for p in PROMPTS[:3]]
+    dead_end = SamplingParams(max_tokens=16, temperature=0.0, grammar=dead_end_grammar())
+    refusing = scheduler.submit(PROMPTS[3], dead_end)
+    others = [scheduler.submit(p, GREEDY) for p in PROMPTS[:3]]
+    for generation in (refusing, *others):
+        generation.wait_started()
+    assert scheduler.counts() == SchedulerCounts(4, 0)  # its first token came in the batch of four
+    written = []
+    with pytest.raises(GrammarError, match="allows no token here after 5 generated tokens"):
+        for event in refusing:
+            written.append(event.text)
+    assert "".join(written) == '{"a":'  # the refusal came in a step, beside the others
+    assert [_tokens(g) for g in others] == alone
+    wait_until(lambda: scheduler.counts() == SchedulerCounts(0, 0), "every slot freed")
+
+
+def test_work_in_pieces_runs_a_piece_between_two_decode_steps(make):
+    scheduler = make()
+    engine = scheduler.engine
+    log: list[str] = []  # written on the engine thread only
+    queued = threading.Event()
+    step = engine.step
+
+    def logged_step(slots):
+        assert queued.wait(60)  # hold the batch until the work is handed over
+        log.append("step")
+        return step(slots)
+
+    engine.step = logged_step  # the scheduler's engine, on this instance only
+
+    def work(n):
+        for _ in range(n):
+            log.append("piece")
+            yield
+        return "done"
+
+    never_end = tuple((token, -100.0) for token in engine.end_ids)
+    long = SamplingParams(max_tokens=200, temperature=0.0, logit_bias=never_end)
+    generations = [scheduler.submit(p, long) for p in PROMPTS]
+    done = scheduler.run_in_pieces(work(5))
+    dropped = scheduler.run_in_pieces(work(100))
+    dropped.cancel()
+    queued.set()
+    assert done.result(60) == "done"
+    pieces = [i for i, entry in enumerate(log) if entry == "piece"]
+    assert len(pieces) == 5  # the cancelled work never ran
+    assert all(b - a > 1 for a, b in itertools.pairwise(pieces)), log
+    for generation in generations:
+        generation.cancel()
 
 
 def test_the_queue_is_bounded_and_a_cancelled_request_frees_its_slot(make, wait_until):

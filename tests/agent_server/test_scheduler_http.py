@@ -1,9 +1,12 @@
 """The scheduler end to end over HTTP with the official openai client, on both engines: 1, 4 and 16
 concurrent streams batched together answer exactly what each stream alone answers (greedy), the
-gauges come back to zero, and hot swaps under 16 streaming clients fail no request."""
+gauges come back to zero, a request whose grammar refuses mid-batch fails alone, and hot swaps
+under 16 streaming clients fail no request."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +17,10 @@ import openai
 import pytest
 
 from deployer.agent.engines import make_engine
+from deployer.agent.engines.base import EMBED_PIECE_TOKENS
 from deployer.agent.scheduler import SchedulerCounts
+from tests.agent_server.conftest import GatedEngine, metric_is
+from tests.grammars import DEAD_END_SCHEMA as DEAD_END
 from tests.llamacpp.conftest import (  # noqa: F401 (fixtures)
     gguf_store,
     needs_llama_cpp,
@@ -120,6 +126,142 @@ def test_concurrent_streams_answer_as_one_stream_alone(concurrent_agent, wait_un
     wait_until(lambda: agent.manager.counts().running == 0, "every slot returned")
     assert agent.metrics.value("sits_requests_running") == 0
     assert agent.metrics.value("sits_requests_waiting") == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_request_whose_grammar_refuses_fails_alone_beside_streams(
+    request, start_agent, tiny_model_dir, engine, wait_until
+):
+    real = engine == "llama.cpp"
+    gate, generating = threading.Event(), threading.Event()
+    gate.set()
+    factory = _factory(engine)
+    agent = start_agent(
+        load=False,
+        factory=lambda: GatedEngine(factory(), gate, generating),
+        max_concurrent=SLOTS,
+        max_tokens=GatedEngine.GATED_FROM,
+    )
+    assert agent.reload(request.getfixturevalue("smollm2_gguf_dir") if real else tiny_model_dir, "v1").ok
+    served = Served(engine, agent.manager.active_info().model, real, QUESTIONS if real else TINY_PROMPTS)
+    client = _client(agent)
+    prompts = served.prompts[:3]
+    long = GatedEngine.GATED_FROM  # held after their first token while the gate is closed
+    alone = [_stream(client, served, p, max_tokens=long) for p in prompts]
+    gate.clear()
+    generating.clear()
+
+    def refusing(stream: bool) -> str | None:
+        """The error code the client raises for a chat whose schema dead-ends after `{"a":`."""
+        try:
+            answer = client.chat.completions.create(
+                model=served.model,
+                messages=[{"role": "user", "content": "Answer in JSON."}],
+                response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": DEAD_END}},
+                temperature=0,
+                stream=stream,
+            )
+            if stream:
+                list(answer)
+        except openai.APIError as exc:
+            return exc.code
+        return None
+
+    with ThreadPoolExecutor(5) as pool:
+        others = [pool.submit(_stream, client, served, p, long) for p in prompts]
+        assert generating.wait(60)
+        bad = [pool.submit(refusing, stream) for stream in (True, False)]
+        # Everyone is in before the batch goes on: the refusals come in steps beside the streams.
+        wait_until(lambda: sum(dataclasses.astuple(agent.manager.counts())) == 5, "all five submitted")
+        gate.set()
+        assert [b.result() for b in bad] == ["grammar_dead_end", "grammar_dead_end"]
+        assert [o.result() for o in others] == alone
+    bad_requests = metric_is(agent, "sits_requests_total", 1, endpoint="/v1/chat/completions", status="400")
+    wait_until(bad_requests, "the non-streamed refusal counted as a 400")
+    wait_until(lambda: agent.manager.counts() == SchedulerCounts(0, 0), "every slot returned")
+
+
+class LoggedEngine(GatedEngine):
+    """A GatedEngine that logs its decode steps and the pieces of its embeddings (both on the
+    engine thread)."""
+
+    def __init__(self, engine, gate: threading.Event, generating: threading.Event) -> None:
+        super().__init__(engine, gate, generating)
+        self.log: list[str] = []
+
+    def step(self, slots):
+        tokens = super().step(slots)
+        self.log.append("step")
+        return tokens
+
+    def embed_pieces(self, texts):
+        return self._logged(self._engine.embed_pieces(texts))
+
+    def _logged(self, pieces):
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                self.log.append("piece")
+                return done.value
+            self.log.append("piece")
+            yield
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_embedding_runs_in_pieces_between_the_steps_of_streams(
+    request, start_agent, tiny_model_dir, engine, wait_until
+):
+    gate, generating = threading.Event(), threading.Event()
+    gate.set()
+    engines: list[LoggedEngine] = []
+    factory = _factory(engine)
+
+    def logged():
+        engines.append(LoggedEngine(factory(), gate, generating))
+        return engines[-1]
+
+    directory = request.getfixturevalue("tiny_gguf_dir") if engine == "llama.cpp" else tiny_model_dir
+    agent = start_agent(load=False, factory=logged, max_concurrent=SLOTS, max_tokens=GatedEngine.GATED_FROM)
+    assert agent.reload(directory, "v1").ok
+    served = Served(engine, agent.manager.active_info().model, chat=False, prompts=TINY_PROMPTS)
+    client = _client(agent)
+    # 16 inputs longer than a piece each: 16 pieces.
+    inputs = [f"{i} " + " ".join(["edge devices run small models"] * 8) for i in range(16)]
+    alone = client.embeddings.create(model=served.model, input=inputs, encoding_format="float")
+    assert alone.usage.prompt_tokens > 16 * EMBED_PIECE_TOKENS
+    gate.clear()
+    log = engines[-1].log
+    log.clear()
+    with agent.manager.lease() as slot:
+        scheduler = slot.scheduler
+    handed, hand = threading.Event(), scheduler.run_in_pieces
+
+    def handing(work):
+        future = hand(work)
+        handed.set()
+        return future
+
+    scheduler.run_in_pieces = handing  # this instance's: tells the test the work is queued
+    with ThreadPoolExecutor(5) as pool:
+        # Held at their first step until the embedding is queued: it meets them all running.
+        streams = [
+            pool.submit(_stream, client, served, p, GatedEngine.GATED_FROM) for p in served.prompts[:4]
+        ]
+        assert generating.wait(60)
+        embedded = pool.submit(
+            client.embeddings.create, model=served.model, input=inputs, encoding_format="float"
+        )
+        assert handed.wait(60)
+        gate.set()
+        together = embedded.result()
+        assert all(stream.result()[1] in ("stop", "length") for stream in streams)
+    for mine, theirs in zip(together.data, alone.data, strict=True):
+        assert mine.embedding == pytest.approx(theirs.embedding, abs=1e-5)
+    pieces = [i for i, entry in enumerate(log) if entry == "piece"]
+    assert len(pieces) == 16
+    # The streams were running throughout (100 tokens each): a decode step between every two pieces.
+    assert all(b - a > 1 for a, b in itertools.pairwise(pieces)), " ".join(log)
 
 
 @pytest.fixture(params=ENGINES)

@@ -106,12 +106,19 @@ def test_bad_slots_and_prompts_are_refused(varied_model_dir, engine_on):
     engine.prefill(0, prompt, GREEDY)
     with pytest.raises(AgentError, match="distinct slots"):
         engine.step([0, 0])
-    # a sequence may run until its cache is full; one step more is refused, not a crash
+    # a sequence may run until its cache is full; one step more ends it with an error (not a
+    # crash) while the sequence beside it gets its token as alone
+    alone = run(engine, 1, prompt, GREEDY, 2)
     for _ in range(32 - len(prompt)):
         engine.step([0])
-    with pytest.raises(AgentError, match="filled its 32 cache positions"):
+    first = engine.prefill(1, prompt, GREEDY)
+    full, second = engine.step([0, 1])
+    assert isinstance(full, AgentError) and "filled its 32 cache positions" in str(full)
+    assert [first, second] == alone
+    with pytest.raises(AgentError, match="slot 0 is not running"):
         engine.step([0])
     engine.release(0)
+    engine.release(1)
     assert engine.max_slots == 2
 
 

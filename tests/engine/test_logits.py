@@ -12,7 +12,8 @@ from llguidance import LLMatcher, LLTokenizer
 from deployer.agent.chat import TextCodec
 from deployer.agent.engines.base import SamplingParams
 from deployer.agent.engines.logits import TokenProcessor, Vocabulary
-from deployer.errors import AgentError
+from deployer.errors import AgentError, GrammarError
+from tests.grammars import dead_end_grammar
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,19 @@ def test_a_refused_token_and_a_broken_grammar_are_errors(vocab):
         TokenProcessor(SamplingParams(grammar=LLMatcher.grammar_from_lark("start: x")), vocab)
     with pytest.raises(AgentError, match="outside the vocabulary"):
         TokenProcessor(SamplingParams(logit_bias=((vocab.n_logits, 1.0),)), vocab)
+
+
+def test_a_grammar_at_a_dead_end_is_an_error_not_an_end_of_text(vocab):
+    processor = TokenProcessor(SamplingParams(grammar=dead_end_grammar()), vocab)
+    written = b""
+    with pytest.raises(GrammarError, match="allows no token here after 5 generated tokens"):
+        while True:
+            # The first token allowed, until the dead end (where a matcher in error allows just the
+            # end of text, which would have ended the answer "stop" on `{"a":`).
+            token = int(np.flatnonzero(np.isfinite(processor.process(_row(vocab))))[0])
+            processor.accept(token)
+            written += vocab.piece(token)
+    assert written == b'{"a":'
 
 
 def test_logprobs_are_normalised_and_ranked(vocab):

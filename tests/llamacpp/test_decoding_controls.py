@@ -103,12 +103,17 @@ def test_logit_bias_and_penalties_steer_both_engines(engines):
 
 
 def test_embeddings_are_unit_vectors_and_agree(engines):
+    # A long input (beyond the llama.cpp tokenizer context's 256 tokens, within a slot's 512) and
+    # enough inputs for several pieces: each vector is the same as computed alone.
+    texts = ["hello world", "edge devices", " ".join(["tiny models run at the edge"] * 25), "again"]
     found = {}
     for name, engine in engines.items():
-        vectors, tokens = engine.embed(["hello world", "edge devices"])
-        assert tokens > 2 and len(vectors) == 2
-        for v in vectors:
+        vectors, tokens = engine.embed(texts)
+        assert tokens > 300 and len(vectors) == 4
+        assert len(list(engine.embed_pieces(texts))) >= 2  # yields between pieces
+        for text, v in zip(texts, vectors, strict=True):
             assert math.sqrt(sum(x * x for x in v)) == pytest.approx(1.0, abs=1e-4)
+            assert engine.embed([text])[0][0] == pytest.approx(v, abs=1e-5)
         found[name] = vectors
     for ours, theirs in zip(found["torch"], found["llama.cpp"], strict=True):
         assert sum(a * b for a, b in zip(ours, theirs, strict=True)) > 0.999

@@ -119,6 +119,17 @@ def test_bad_slots_and_prompts_are_refused(tiny_gguf_dir):
     with pytest.raises(AgentError, match="twice"):
         engine.step([0, 0])
     assert len(engine.step([0])) == 1  # still usable after the refusals
+    # a full slot ends with an error, not a crash, and the slot beside it steps on as alone
+    beside = [engine.prefill(1, prompt, GREEDY)]
+    full: int | Exception = 0
+    while isinstance(full, int):
+        full, token = engine.step([0, 1])
+        beside.append(token)
+    assert isinstance(full, AgentError) and "is full" in str(full)
+    with pytest.raises(AgentError, match="no running sequence"):
+        engine.step([0])
+    engine.release(1)
+    assert beside == _alone(engine, prompt, GREEDY, len(beside))
 
 
 @pytest.mark.slow

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from deployer.errors import AgentError
 
@@ -115,6 +116,36 @@ def token_budget(prompt: Sequence[int], params: SamplingParams, context_length: 
     return min(params.max_tokens, room)
 
 
+# An embedding request's work between two decode steps: inputs are grouped up to this many tokens.
+# A piece stalls the running batch as a prompt of its length would (prefill is not split either).
+EMBED_PIECE_TOKENS = 64
+Embedding = Generator[None, None, tuple[list[list[float]], int]]  # see Engine.embed_pieces
+T = TypeVar("T")
+
+
+def in_pieces(items: Iterable[T], tokens: Callable[[T], int]) -> Iterator[list[T]]:
+    """Consecutive `items` grouped into pieces of at most EMBED_PIECE_TOKENS tokens each (`tokens`
+    counts an item's); an item longer than that is a piece alone."""
+    piece: list[T] = []
+    size = 0
+    for item in items:
+        n = tokens(item)
+        if piece and size + n > EMBED_PIECE_TOKENS:
+            yield piece
+            piece, size = [], 0
+        piece.append(item)
+        size += n
+    if piece:
+        yield piece
+
+
+def token_of(result: int | Exception) -> int:
+    """One sequence's outcome of `Engine.step`: its token, or its exception raised."""
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading ids two sequences share (prefix reuse in a slot's cache; benches compare
     greedy runs with it)."""
@@ -198,9 +229,15 @@ class Engine(abc.ABC):
         return free[0]
 
     @abc.abstractmethod
-    def step(self, slots: Sequence[int]) -> list[int]:
+    def step(self, slots: Sequence[int]) -> list[int | Exception]:
         """One decode step for each of `slots` (each continues from its last token); the next token
-        id of each, in the same order."""
+        id of each, in the same order.
+
+        A sequence that fails on its own (its grammar allows no token, its cache is full, its logit
+        processing raised) has its exception in its place, as asyncio.gather's return_exceptions
+        does, and stops running (release its slot); the others get their tokens as if it had not
+        been there. What fails the whole step (slots that are not running, the forward pass itself)
+        raises."""
 
     @abc.abstractmethod
     def release(self, slot: int) -> None:
@@ -244,7 +281,19 @@ class Engine(abc.ABC):
 
     def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
         """Each text's embedding (the mean of the model's last hidden states, L2-normalised) and the
-        number of tokens read."""
+        number of tokens read: `embed_pieces` run to its end."""
+        pieces = self.embed_pieces(texts)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+
+    def embed_pieces(self, texts: Sequence[str]) -> Embedding:
+        """`embed` a piece at a time: the generator yields between pieces of inputs of up to
+        EMBED_PIECE_TOKENS tokens together (a longer input is a piece alone; none is split), so the
+        scheduler can run decode steps in between, and returns what `embed` returns. AgentError
+        at once when the engine has no embeddings."""
         raise AgentError(f"the {type(self).__name__} engine has no embeddings")
 
     @abc.abstractmethod

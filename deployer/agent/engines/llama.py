@@ -197,7 +197,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
-        slot: int | torch.Tensor,
+        slot: int | torch.Tensor | None,
         at: int | torch.Tensor,
     ) -> torch.Tensor:
         """T new positions of one slot, attending its cached positions up to them.
@@ -205,11 +205,15 @@ class Attention(nn.Module):
         With ints (eager), positions at..at+T of `slot`, attending keys 0..at+T. With tensors
         (`slot` [1], `at` the positions [T]), every shape is fixed, for a CUDA graph: keys are
         written by position (padding at the scratch position) and the slot's whole cache is
-        attended under `mask`.
+        attended under `mask`. With no slot, positions 0..T attend each other and the cache is
+        left alone (embeddings).
         """
         _, t, _ = x.shape
         q, k, v = self._qkv(x)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if slot is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            return self.o_proj(y.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
         cache = self._cache()
         if isinstance(slot, int) and isinstance(at, int):
             end = at + t
@@ -318,10 +322,10 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
-        slot: int | torch.Tensor,
+        slot: int | torch.Tensor | None,
         at: int | torch.Tensor,
     ) -> torch.Tensor:
-        """This block over a prompt chunk of one slot (see Attention.prefill)."""
+        """This block over a prompt chunk of one slot, or of none (see Attention.prefill)."""
         h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, slot, at)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -386,14 +390,14 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))
 
-    def hidden_states(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, T, D] (after the final norm) of tokens [1, T] run from position
-        0 in `slot` (embeddings; the slot's cache then holds these tokens)."""
-        return self.model.norm(self._blocks(tokens, slot, 0))
+        0 outside the KV cache (embeddings: every slot's sequence is left as it was)."""
+        return self.model.norm(self._blocks(tokens, None, 0))
 
-    def _blocks(self, tokens: torch.Tensor, slot: int, start: int) -> torch.Tensor:
+    def _blocks(self, tokens: torch.Tensor, slot: int | None, start: int) -> torch.Tensor:
         t = tokens.shape[1]
-        if not 0 <= slot < self.slots:
+        if slot is not None and not 0 <= slot < self.slots:
             raise AgentError(f"slot {slot} does not exist (the cache holds {self.slots})")
         if start + t > self.max_len:
             raise AgentError(f"positions {start}..{start + t} exceed the KV cache ({self.max_len})")

@@ -127,24 +127,36 @@ class BatchContext:
         state.last = self._sample(state, len(chunk) - 1)
         return state.last
 
-    def step(self, slots: Sequence[int]) -> list[int]:
-        """Decode the last token of each slot in one batch; the next token of each, in order."""
+    def step(self, slots: Sequence[int]) -> list[int | Exception]:
+        """Decode the last token of each slot in one batch; the next token of each, in order.
+
+        A slot that is full, or whose processor fails (its grammar allows no token), has its error
+        in its place and stops running; the others are decoded and sampled as without it."""
         states = [self._slot(s) for s in slots]
         if len(set(slots)) != len(slots):
             raise AgentError(f"slots {list(slots)} name a slot twice")
+        results: dict[int, int | Exception] = {}
         for s, state in zip(slots, states, strict=True):
             if state.sampler is None:
                 raise AgentError(f"slot {s} has no running sequence", hint="prefill it first")
             if len(state.cached) + 1 >= self.context_length:
-                raise AgentError(f"slot {s} is full ({self.context_length} tokens)")
-        self._fill([(state.last, len(state.cached), s) for s, state in zip(slots, states, strict=True)])
-        self._decode()
-        tokens = []
-        for i, state in enumerate(states):
+                results[s] = AgentError(f"slot {s} is full ({self.context_length} tokens)")
+        live = [(s, state) for s, state in zip(slots, states, strict=True) if s not in results]
+        if live:
+            self._fill([(state.last, len(state.cached), s) for s, state in live])
+            self._decode()
+        for row, (s, state) in enumerate(live):
             state.cached.append(state.last)
-            state.last = self._sample(state, i)
-            tokens.append(state.last)
-        return tokens
+            try:
+                state.last = self._sample(state, row)
+            except Exception as exc:  # this slot's request alone (its grammar, its processing)
+                results[s] = exc
+            else:
+                results[s] = state.last
+        for s, state in zip(slots, states, strict=True):
+            if isinstance(results[s], Exception):
+                self._free_sampler(state)  # the sequence has ended
+        return [results[s] for s in slots]
 
     def logprobs(self, slot: int) -> TokenLogprobs | None:
         """The log-probabilities of the slot's last sampled token (None unless its request asked)."""

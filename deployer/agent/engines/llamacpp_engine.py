@@ -32,12 +32,15 @@ from typing import Any
 from deployer.agent.chat import ChatTemplate, infill_prompt
 from deployer.agent.engines.base import (
     ChatMessage,
+    Embedding,
     Engine,
     EngineInfo,
     SamplingParams,
     TokenEvent,
     TokenLogprobs,
+    in_pieces,
     token_budget,
+    token_of,
 )
 from deployer.agent.engines.llamacpp_batch import BatchContext
 from deployer.agent.engines.logits import TokenProcessor, Vocabulary
@@ -248,14 +251,17 @@ class LlamaCppEngine(Engine):
 
         return infill_prompt(special_id, plain, prefix, suffix)
 
-    def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
-        """Mean-pooled, L2-normalised embeddings by llama.cpp; see Engine.embed.
+    def embed_pieces(self, texts: Sequence[str]) -> Embedding:
+        """Mean-pooled, L2-normalised embeddings by llama.cpp, in pieces; see Engine.embed_pieces.
 
         A second llama.cpp context in embedding mode (made on first use) maps the same GGUF, so
-        the weights are shared and generation's cache is left alone."""
+        the weights are shared and generation's cache is left alone. It takes inputs as long as
+        a generation slot's context (a pooled sequence must fit in one of its batches)."""
         loaded = self._require()
+        if any(not text for text in texts):
+            raise AgentError("an input is empty; embeddings need at least one token")
         if self._embedder is None:
-            n_ctx = loaded.llm.n_ctx()
+            n_ctx = loaded.batch.context_length
             self._embedder = _on_llama_thread(
                 self._llama_cpp.Llama,
                 model_path=str(loaded.header.path),
@@ -269,15 +275,25 @@ class LlamaCppEngine(Engine):
                 use_mmap=True,
                 verbose=False,
             )
-        if any(not text for text in texts):
-            raise AgentError("an input is empty; embeddings need at least one token")
-        try:
-            vectors, count = _on_llama_thread(
-                self._embedder.embed, list(texts), normalize=True, truncate=False, return_count=True
-            )
-        except ValueError as exc:  # an input longer than the context
-            raise AgentError(f"cannot embed the input: {exc}") from exc
-        return [list(map(float, v)) for v in vectors], int(count)
+        embedder = self._embedder
+        vectors: list[list[float]] = []
+        count = 0
+
+        def size(text: str) -> int:  # as Llama.embed will tokenize it (with BOS)
+            return len(embedder.tokenize(text.encode("utf-8")))
+
+        for i, piece in enumerate(in_pieces(texts, size)):
+            if i:
+                yield  # decode steps run here
+            try:
+                done, n = _on_llama_thread(
+                    embedder.embed, piece, normalize=True, truncate=False, return_count=True
+                )
+            except ValueError as exc:  # an input longer than the context
+                raise AgentError(f"cannot embed the input: {exc}") from exc
+            vectors += [list(map(float, v)) for v in done]
+            count += int(n)
+        return vectors, count
 
     # -- generation ------------------------------------------------------------------------
 
@@ -301,7 +317,7 @@ class LlamaCppEngine(Engine):
         processor = self._processor(loaded, params)
         return _on_llama_thread(loaded.batch.prefill, slot, list(prompt), params, processor)
 
-    def step(self, slots: Sequence[int]) -> list[int]:
+    def step(self, slots: Sequence[int]) -> list[int | Exception]:
         """See Engine.step: one llama_decode for all `slots`, on the llama.cpp thread."""
         return _on_llama_thread(self._require().batch.step, list(slots))
 
@@ -346,7 +362,7 @@ class LlamaCppEngine(Engine):
     def _tokens(self, loaded: _Loaded, prompt: list[int], params: SamplingParams) -> Iterator[int]:
         yield _on_llama_thread(loaded.batch.prefill, 0, prompt, params, self._processor(loaded, params))
         while True:
-            yield _on_llama_thread(loaded.batch.step, [0])[0]
+            yield token_of(_on_llama_thread(loaded.batch.step, [0])[0])
 
     @staticmethod
     def _processor(loaded: _Loaded, params: SamplingParams) -> TokenProcessor | None:

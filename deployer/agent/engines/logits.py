@@ -23,7 +23,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from deployer.agent.engines.base import Logprob, SamplingParams, TokenLogprobs
-from deployer.errors import AgentError
+from deployer.errors import AgentError, GrammarError
 
 __all__ = ["TokenProcessor", "Vocabulary"]
 
@@ -93,7 +93,9 @@ class TokenProcessor:
         self._last: np.ndarray | None = None
 
     def process(self, logits: np.ndarray) -> np.ndarray:
-        """The logits [V] after bias, penalties and grammar (a new float32 array)."""
+        """The logits [V] after bias, penalties and grammar (a new float32 array).
+
+        Raises GrammarError when the grammar allows no token here (the output could never match)."""
         x = np.array(logits, dtype=np.float32)
         if self._bias_ids.size:
             x[self._bias_ids] += self._bias
@@ -101,9 +103,15 @@ class TokenProcessor:
             self._penalise(x)
         if self._matcher is not None:
             self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
+            # A matcher in error allows only the end of text: picking it would end with "stop" on
+            # output that does not match (a schema with a value no text can be, a $ref cycle).
+            if self._matcher.is_error():
+                raise self._refused("allows no token here")
             allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little").view(bool)
             x[: allowed.size][~allowed[: x.size]] = -np.inf
             x[allowed.size :] = -np.inf  # logit rows past the tokenizer's ids (padding)
+            if not np.isfinite(x).any():  # nothing left to sample (a sampler would draw from NaNs)
+                raise self._refused("allows none of the model's tokens here")
         if self._params.logprobs is not None:
             self._last = x
         return x
@@ -120,14 +128,25 @@ class TokenProcessor:
     def accept(self, token: int) -> TokenLogprobs | None:
         """Record the picked token; its log-probabilities when they were asked for.
 
-        Raises AgentError when the grammar refuses the token (only a sampler that ignored the
-        processed logits can pick one)."""
+        Raises GrammarError when the grammar refuses the token (a sampler that ignored the
+        processed logits picked it, or llguidance found the dead end only on consuming it)."""
         logprobs = self._logprobs(token) if self._last is not None else None
         self._last = None
-        self._seen[token] = self._seen.get(token, 0) + 1
         if self._matcher is not None and not self._matcher.consume_token(token):
-            raise AgentError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+            raise self._refused(f"refused token {token}")
+        self._seen[token] = self._seen.get(token, 0) + 1
         return logprobs
+
+    def _refused(self, what: str) -> GrammarError:
+        assert self._matcher is not None
+        # llguidance's message: its first line says why; the rest is a dump of its parser state.
+        why = (self._matcher.get_error() or "").strip().splitlines()
+        return GrammarError(
+            f"the grammar {what} after {sum(self._seen.values())} generated tokens"
+            + (f" ({why[0]})" if why else ""),
+            hint="a value the schema allows no text for (e.g. a $ref to itself) leaves nothing to "
+            "write; fix that part of response_format or the tool's parameters",
+        )
 
     def _logprobs(self, token: int) -> TokenLogprobs:
         x = self._last

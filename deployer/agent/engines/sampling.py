@@ -21,7 +21,7 @@ import torch
 
 # Re-exported: the parameter checks live beside SamplingParams, free of torch (the llama.cpp engine
 # uses them without importing torch).
-from deployer.agent.engines.base import GREEDY_BELOW, SamplingParams, TokenLogprobs
+from deployer.agent.engines.base import GREEDY_BELOW, SamplingParams, TokenLogprobs, token_of
 from deployer.agent.engines.logits import TokenProcessor
 
 __all__ = ["Sampler", "choose", "new_generator", "pick_token"]
@@ -83,19 +83,33 @@ def _draw_sorted(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(order[torch.multinomial(kept, 1, generator=generator)])
 
 
-def choose(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+def choose(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int | Exception]:
     """One token id per row of logits [B, V], row i under samplers[i]; one transfer to the host
-    (plus one per processed row)."""
+    (plus one per processed row).
+
+    A row whose processing fails (its grammar allows no token, or refuses the one picked) gets the
+    exception in its place; the other rows are picked as without it."""
     processed = [(i, s.processor) for i, s in enumerate(samplers) if s.processor is not None]
+    failed: dict[int, Exception] = {}
     if processed:
         # Rows are replaced in place: these logits are this step's alone (a copy unless fp32).
         logits = logits.float()
         for i, processor in processed:
-            row = processor.process(logits[i].cpu().numpy())
+            try:
+                row = processor.process(logits[i].cpu().numpy())
+            except Exception as exc:  # that row's request alone; its raw row is picked and dropped
+                failed[i] = exc
+                continue
             logits[i] = torch.from_numpy(row).to(logits.device)
-    out = _pick(logits, samplers)
+    out: list[int | Exception] = list(_pick(logits, samplers))
     for i, processor in processed:
-        samplers[i].logprobs = processor.accept(out[i])
+        if i in failed:
+            out[i] = failed[i]
+            continue
+        try:
+            samplers[i].logprobs = processor.accept(token_of(out[i]))
+        except Exception as exc:
+            out[i] = exc
     return out
 
 
@@ -117,4 +131,4 @@ def _pick(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
 
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Choose one token id from logits [V] under `params`."""
-    return choose(logits[None], [Sampler(params, generator)])[0]
+    return token_of(choose(logits[None], [Sampler(params, generator)])[0])

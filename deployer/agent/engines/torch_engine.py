@@ -26,13 +26,16 @@ from torch import nn
 from deployer.agent.chat import ChatTemplate, TextCodec, infill_prompt, read_tokenizer_config
 from deployer.agent.engines.base import (
     ChatMessage,
+    Embedding,
     Engine,
     EngineInfo,
     SamplingParams,
     TokenEvent,
     TokenLogprobs,
     common_prefix,
+    in_pieces,
     token_budget,
+    token_of,
 )
 from deployer.agent.engines.llama import as_token_ids
 from deployer.agent.engines.loader import LoadedModel, load_model, read_json
@@ -244,26 +247,30 @@ class TorchEngine(Engine):
             codec.token_id, lambda text: codec.encode(text, add_special_tokens=False), prefix, suffix
         )
 
-    @torch.inference_mode()
-    def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
-        """Mean of the last hidden states over each text's tokens, L2-normalised; see Engine.embed.
-
-        Runs in a slot no sequence is using (AgentError when every one is generating)."""
+    def embed_pieces(self, texts: Sequence[str]) -> Embedding:
+        """Mean of the last hidden states over each text's tokens, L2-normalised, in pieces; see
+        Engine.embed_pieces. Runs outside the KV cache: no slot is needed or disturbed."""
         loaded, codec = self._require(), self._require_text()
-        free = next((i for i, state in enumerate(self._state) if state.last is None), None)
-        if free is None:
-            raise AgentError("every slot is generating; no room to embed", hint="retry shortly")
-        vectors, count = [], 0
-        for text in texts:
-            ids = codec.encode(text, add_special_tokens=True)
-            if not ids or len(ids) > loaded.model.max_len:
-                raise AgentError(f"an input has {len(ids)} tokens; embeddings take 1..{loaded.model.max_len}")
-            tokens = torch.tensor([ids], dtype=torch.long, device=loaded.device)
-            mean = loaded.model.hidden_states(tokens, free)[0].float().mean(dim=0)
-            vectors.append((mean / mean.norm().clamp_min(1e-12)).cpu().tolist())
-            count += len(ids)
-        self._state[free] = _Slot()  # its cache holds the inputs now, no prefix worth reusing
+        vectors: list[list[float]] = []
+        count = 0
+        inputs = (codec.encode(text, add_special_tokens=True) for text in texts)
+        for i, piece in enumerate(in_pieces(inputs, len)):
+            if i:
+                yield  # decode steps run here
+            for ids in piece:
+                if not ids or len(ids) > loaded.model.max_len:
+                    raise AgentError(
+                        f"an input has {len(ids)} tokens; embeddings take 1..{loaded.model.max_len}"
+                    )
+                vectors.append(self._embed_one(loaded, ids))
+                count += len(ids)
         return vectors, count
+
+    @torch.inference_mode()
+    def _embed_one(self, loaded: LoadedModel, ids: list[int]) -> list[float]:
+        tokens = torch.tensor([ids], dtype=torch.long, device=loaded.device)
+        mean = loaded.model.hidden_states(tokens)[0].float().mean(dim=0)
+        return (mean / mean.norm().clamp_min(1e-12)).cpu().tolist()
 
     @property
     def end_ids(self) -> frozenset[int]:
@@ -289,7 +296,7 @@ class TorchEngine(Engine):
         start = min(common_prefix(state.held, prompt), len(prompt) - 1)
         logits = self._run_prompt(loaded, slot, prompt, start)
         sampler = Sampler(params, new_generator(params.seed, loaded.device), self._processor(params))
-        token = choose(logits, [sampler])[0]
+        token = token_of(choose(logits, [sampler])[0])
         self._reused += start
         state.held, state.last, state.sampler = prompt, token, sampler
         return token
@@ -318,8 +325,9 @@ class TorchEngine(Engine):
             torch.cuda.current_stream().synchronize()  # the copy is done before the next writes
 
     @torch.inference_mode()
-    def step(self, slots: Sequence[int]) -> list[int]:
-        """One decode step for each running slot in `slots`; see Engine.step.
+    def step(self, slots: Sequence[int]) -> list[int | Exception]:
+        """One decode step for each running slot in `slots`; see Engine.step. A slot whose cache
+        is full or whose logit processing fails has its error in its place and stops running.
 
         The step runs cache rows 0..max(slots) together (a captured graph on CUDA), so a scheduler
         that fills the lowest free slots first runs the smallest batches.
@@ -328,16 +336,34 @@ class TorchEngine(Engine):
         states = [self._slot(s) for s in slots]
         if not slots or len(set(slots)) != len(slots):
             raise AgentError(f"step needs distinct slots, got {list(slots)}")
-        lasts = []
+        results: dict[int, int | Exception] = {}
         for s, state in zip(slots, states, strict=True):
             if state.last is None:
                 raise AgentError(f"slot {s} is not running", hint="prefill it first")
-            lasts.append(state.last)
             if len(state.held) >= loaded.model.max_len:
-                raise AgentError(
+                results[s] = AgentError(
                     f"slot {s} has filled its {loaded.model.max_len} cache positions",
                     hint="stop at the token budget (token_budget) or release the slot",
                 )
+        live = [(s, state) for s, state in zip(slots, states, strict=True) if s not in results]
+        if live:
+            results.update(self._decode_step(loaded, live))
+        out = []
+        for s, state in zip(slots, states, strict=True):
+            result = results[s]
+            if isinstance(result, Exception):
+                state.last = state.sampler = None  # the sequence has ended
+            else:
+                assert state.last is not None
+                state.held.append(state.last)
+                state.last = result
+            out.append(result)
+        return out
+
+    def _decode_step(self, loaded: LoadedModel, live: list[tuple[int, _Slot]]) -> dict[int, int | Exception]:
+        """Run one decode step of the `live` (slot, state) pairs; each slot's token or error."""
+        slots = [s for s, _ in live]
+        states = [state for _, state in live]
         rows = max(slots) + 1
         bucket = next((b for b in self._buckets if b >= rows), rows) if self._decode.graphs else rows
         # Written through numpy (a torch element write costs microseconds of dispatch) into pinned
@@ -346,8 +372,8 @@ class TorchEngine(Engine):
         host = inputs.step_host.numpy()
         host[0, :bucket] = 0
         host[1, :bucket] = loaded.model.scratch_position
-        for s, state, last in zip(slots, states, lasts, strict=True):
-            host[0, s], host[1, s] = last, len(state.held)
+        for s, state in live:
+            host[0, s], host[1, s] = state.last, len(state.held)
         io = inputs.step
         io.copy_(inputs.step_host, non_blocking=True)
         graph = self._decode.graphs.get(bucket)
@@ -359,13 +385,8 @@ class TorchEngine(Engine):
             # or every new length would compile again.
             kv_len = None if self._decode.compiled else max(len(state.held) for state in states) + 1
             logits = loaded.model.decode(io[0, :bucket], io[1, :bucket], kv_len)
-        tokens = choose(logits[: max(slots) + 1], _samplers_for(states, slots))
-        out = []
-        for s, state, last in zip(slots, states, lasts, strict=True):
-            state.held.append(last)
-            state.last = tokens[s]
-            out.append(tokens[s])
-        return out
+        tokens = choose(logits[:rows], _samplers_for(states, slots))
+        return {s: tokens[s] for s in slots}
 
     def release(self, slot: int) -> None:
         """End the sequence in `slot`; its cached prefix stays for the next prefill to reuse."""
@@ -423,7 +444,7 @@ class TorchEngine(Engine):
     def _tokens(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
         yield self.prefill(0, prompt, params)
         while True:
-            yield self.step([0])[0]
+            yield token_of(self.step([0])[0])
 
     @torch.inference_mode()
     def logits(self, tokens: list[int]) -> torch.Tensor:

@@ -2,9 +2,11 @@
 L2-normalised, computed by the engine), as floats or as base64 of little-endian float32 (what the
 official client asks for by default).
 
-An embedding holds a lease on the active model and runs on its engine thread between two decode
-steps (the scheduler's `run`), so it never races the batch; a long one delays the batch's next
-step by its own duration.
+An embedding runs on the active model's engine thread, so it never races the batch, in pieces
+(`Engine.embed_pieces`, the scheduler's `run_in_pieces`): a decode step of the running batch
+comes between two pieces, so streaming clients wait for one piece (inputs of up to
+EMBED_PIECE_TOKENS tokens together, or one longer input), not for the whole request. The lease
+is held only to hand the work over: the scheduler then keeps the model until it is done.
 """
 
 from __future__ import annotations
@@ -41,16 +43,15 @@ async def embed(
     """Embed `texts` with the active model after `check` accepts it (it raises ApiError 404 for
     another model's name); ApiError for every failure."""
 
-    def run() -> Embedded:
+    try:
         with manager.lease() as slot:
             check(slot.info)
-            vectors, tokens = slot.scheduler.run(lambda: slot.engine.embed(texts))
-            return Embedded(vectors, tokens, slot.info)
-
-    try:
-        return await asyncio.to_thread(run)
+            done = slot.scheduler.run_in_pieces(slot.engine.embed_pieces(texts))
+        # A cancelled wait (the client left) cancels the future: the rest of the work is dropped.
+        vectors, tokens = await asyncio.wrap_future(done)
     except Exception as exc:
         raise api_error(exc) from exc
+    return Embedded(vectors, tokens, slot.info)
 
 
 def embedding_body(request: EmbeddingRequest, done: Embedded, model: str) -> dict:

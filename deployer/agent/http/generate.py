@@ -29,7 +29,7 @@ from deployer.agent.http.openai_schemas import ApiError, ChatCompletionRequest, 
 from deployer.agent.http.timing import ServiceTimes
 from deployer.agent.notify import lifecycle_event
 from deployer.agent.scheduler import EngineStopped, Overloaded, QueueTimeout
-from deployer.errors import AgentError, SitsError
+from deployer.errors import AgentError, GrammarError, SitsError
 
 __all__ = [
     "Cancelled",
@@ -176,11 +176,7 @@ class _Running:
                     self._done(first, time.monotonic(), tokens)
                     return
         except Exception as exc:
-            # Headers are sent by now: whatever failed is the server's fault, not the request's.
-            lifecycle_event("generation-failed", version=None, reason=f"{type(exc).__name__}: {exc}")
-            raise ApiError(
-                500, f"generation failed: {exc}", type_="server_error", code="engine_error"
-            ) from exc
+            raise _failed_midway(exc) from exc
         raise Cancelled()  # the scheduler ends a generation without a finish reason only when cancelled
 
     def cancel(self) -> None:
@@ -271,6 +267,15 @@ def _tokenize(engine: Engine, job: Job) -> list[int]:
     return engine.encode(job.text or "")
 
 
+def _failed_midway(exc: Exception) -> ApiError:
+    """The error of a generation that failed after its first token: its own grammar's dead end is
+    the request's doing (400, as when the grammar is refused up front), anything else the server's."""
+    if isinstance(exc, GrammarError):
+        return api_error(exc)
+    lifecycle_event("generation-failed", version=None, reason=f"{type(exc).__name__}: {exc}")
+    return ApiError(500, f"generation failed: {exc}", type_="server_error", code="engine_error")
+
+
 def api_error(exc: BaseException) -> ApiError:
     """The ApiError a request that could not start answers with."""
     if isinstance(exc, ApiError):
@@ -308,6 +313,9 @@ def api_error(exc: BaseException) -> ApiError:
             code="out_of_memory",
             headers={"Retry-After": "1"},
         )
+    if isinstance(exc, GrammarError):
+        # Not retried by clients (a 5xx would be, and fail the same way): the schema must change.
+        return ApiError(400, str(exc), code="grammar_dead_end")
     if isinstance(exc, SitsError):
         # Raised before the first token (tokenizing, the engine refusing the prompt or parameters).
         return ApiError(400, exc.message, code="invalid_request")
