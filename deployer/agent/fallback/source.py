@@ -12,24 +12,27 @@ never both in one answer.
                    or, once started, no first token came within `deadline_ms`: then the upstream is
                    asked too and the first of the two to produce a token answers, the other is
                    cancelled (so a late device still answers when the upstream cannot)
+      confidence   the mean probability of the device's first `confidence_tokens` tokens is below
+                   `min_confidence`: those tokens are discarded and the upstream answers (the device
+                   does when the upstream cannot: its answer exists). The device's engine is asked
+                   for each token's logprob to judge it (the answer shows them only if the client
+                   asked), and the first tokens are read ahead before anything leaves
 
 `start` returns only once the answerer's first token is in hand (or its tokenless answer is
-complete), which is how no answer mixes two models: the decision falls before anything leaves.
+complete), and with `min_confidence` once the device's first tokens are judged, which is how no
+answer mixes two models: the decision falls before anything leaves.
 The upstream's failures (unreachable, too slow, error status, not an OpenAI stream) feed a circuit
 breaker; when the upstream cannot answer, the device does where it can, else the request fails
 with 502 (the upstream answered badly) or 503 (it could not be reached, or its breaker is open).
-
-Confidence (`min_confidence`) is the one trigger not wired: it needs each token's probability,
-which the engines do not report yet (FallbackSettings refuses the setting). With logprobs on
-TokenEvent, `_local_first` reads `confidence_tokens` events instead of one and compares their mean
-probability; everything else here stays as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -166,9 +169,7 @@ class FallbackSource:
             await asyncio.wait({local})
             error = local.exception()
             if error is None:
-                if upstream is not None:
-                    _discard(upstream)  # the device's first token came first after all
-                return self._edge(local.result())
+                return await self._judged(job, local.result(), upstream)
             reason = _TRIGGERED_BY.get(error.code or "") if isinstance(error, ApiError) else None
             if not isinstance(error, ApiError) or reason is None or not getattr(self.settings, reason):
                 raise error
@@ -183,6 +184,34 @@ class FallbackSource:
                 if task is not None:
                     _discard(task)
             raise
+
+    async def _judged(
+        self, job: Job, local: _ReadAhead, upstream: asyncio.Future[UpstreamGeneration] | None
+    ) -> Generation:
+        """The device's answer, unless the confidence trigger finds its first tokens unsure: then the
+        upstream's (the one the deadline already asked, or asked now); still the device's when the
+        upstream cannot answer."""
+        threshold = self.settings.min_confidence
+        tokens = self.settings.confidence_tokens
+        probabilities = [] if threshold is None else await local.probabilities(tokens)
+        confidence = sum(probabilities) / len(probabilities) if probabilities else None
+        if confidence is not None:
+            self.metrics.confidence.observe(confidence)
+        if threshold is None or confidence is None or confidence >= threshold:
+            if upstream is not None:
+                _discard(upstream)  # the device's first token came first after all
+            return self._edge(local)
+        detail = (
+            f"mean probability {confidence:.3f} of the first {len(probabilities)} tokens, "
+            f"below min_confidence {threshold:g}"
+        )
+        try:
+            generation = await upstream if upstream is not None else await self._open_upstream(job)
+        except UpstreamFailure as exc:
+            _log.warning("fallback (confidence): the upstream failed, the device answers: %s", exc.message)
+            return self._edge(local)
+        local.cancel()  # its tokens were held back: none has left
+        return self._served(generation, "confidence", detail)
 
     async def _upstream_else_local(self, job: Job, reason: str, detail: str) -> Generation:
         """The upstream's answer; the device's when the upstream cannot give one."""
@@ -205,9 +234,11 @@ class FallbackSource:
 
     # -- the two answerers ------------------------------------------------------------------------
 
-    async def _local_first(self, job: Job) -> Generation:
-        """The device's generation, started and with its first event read ahead."""
-        generation = await self._local.start(job)
+    async def _local_first(self, job: Job) -> _ReadAhead:
+        """The device's generation, started and with its first event read ahead (and each token's
+        logprob asked for when the confidence trigger will judge them)."""
+        judged = self.settings.min_confidence is not None
+        generation = await self._local.start(_with_logprobs(job) if judged else job)
         try:
             events = generation.events().__aiter__()
             head: list[TokenEvent] = []
@@ -295,6 +326,32 @@ class _ReadAhead:
     def cancel(self) -> None:
         """See Generation.cancel."""
         self._inner.cancel()
+
+    async def probabilities(self, tokens: int) -> list[float]:
+        """The probabilities of the first `tokens` tokens (fewer when the answer ends before), read
+        ahead as far as needed (they are replayed first). Tokens without a logprob (an end id) do not
+        count."""
+
+        def judged() -> list[float]:
+            return [math.exp(e.logprobs.chosen.logprob) for e in self._head if e.logprobs is not None]
+
+        while len(judged()) < tokens and not (self._head and self._head[-1].finish_reason is not None):
+            try:
+                self._head.append(await self._rest.__anext__())
+            except StopAsyncIteration:
+                break
+        return judged()[:tokens]
+
+
+def _with_logprobs(job: Job) -> Job:
+    """`job` asking its engine for each token's logprob, which the confidence trigger reads. The
+    answer shows them only when the client asked: http/choices.py formats what the request asked."""
+
+    def plan(prompt_tokens: int, info: EngineInfo) -> SamplingParams:
+        params = job.plan(prompt_tokens, info)
+        return params if params.logprobs is not None else dataclasses.replace(params, logprobs=0)
+
+    return dataclasses.replace(job, plan=plan)
 
 
 def _discard(task: asyncio.Future) -> None:
