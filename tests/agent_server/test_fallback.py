@@ -358,6 +358,114 @@ def test_the_estimate_sends_a_request_upstream_before_it_starts(start_agent, fal
     holder.join(60)
 
 
+# -- the request the upstream is sent ---------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+        },
+    },
+}
+ROOMY = {"context_length": 512, "max_prompt_tokens": 384, "max_tokens": 128}  # tools make long prompts
+
+
+@pytest.fixture
+def roomy_pair(start_agent, tiny_model_dir_b: Path) -> tuple[AgentServer, AgentServer]:
+    """(edge with no model loaded, so that every request goes upstream; its upstream agent)."""
+    upstream = start_agent(load=False, **ROOMY)
+    assert upstream.reload(tiny_model_dir_b, "v1").ok
+    settings = FallbackSettings(base_url=f"http://127.0.0.1:{upstream.port}/v1", model=tiny_model_dir_b.name)
+    return start_agent(load=False, fallback=settings, **ROOMY), upstream
+
+
+def test_a_tool_calling_request_is_answered_upstream_with_a_tool_call(roomy_pair, up_model):
+    edge, upstream = roomy_pair
+    ask = {
+        "messages": QUESTION,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
+    direct = _client(upstream).chat.completions.create(model=up_model, temperature=0, max_tokens=96, **ask)
+    expected = json.loads(direct.choices[0].message.tool_calls[0].function.arguments)
+    raw = _client(edge).chat.completions.with_raw_response.create(
+        model="m", temperature=0, max_tokens=96, **ask
+    )
+    assert raw.headers["x-sits-served-by"] == "upstream"
+    answer = raw.parse().choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None
+    (call,) = answer.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == expected
+    chunks = list(
+        _client(edge).chat.completions.create(model="m", temperature=0, max_tokens=96, stream=True, **ask)
+    )
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "tool_calls"
+    ]
+
+
+def test_the_upstream_is_sent_the_whole_request(roomy_pair, up_model):
+    edge, upstream = roomy_pair
+    conversation = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21}'},
+    ]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    asks = [
+        # Each answer is the upstream's own to the same request: the earlier call and its result
+        # reach its prompt (the same prompt, token for token), the schema constrains its answer, it
+        # reports the logprobs asked for.
+        {"messages": conversation, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 4},
+        {
+            "messages": QUESTION,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        },
+        {"messages": QUESTION, "logprobs": True, "top_logprobs": 2, "max_tokens": 4},
+    ]
+    for ask in asks:
+        ask = {"temperature": 0, "max_tokens": 32, **ask}
+        direct = _client(upstream).chat.completions.create(model=up_model, **ask)
+        relayed = _client(edge).chat.completions.create(model="m", **ask)
+        assert relayed.usage.prompt_tokens == direct.usage.prompt_tokens
+        assert relayed.choices[0].message.content == direct.choices[0].message.content
+        if ask.get("logprobs"):
+            pairs = _logprob_pairs(relayed.choices[0].logprobs.content)
+            assert pairs == _logprob_pairs(direct.choices[0].logprobs.content) and len(pairs) == 4
+    text = _client(edge).completions.create(
+        model="m", prompt="Hello", max_tokens=3, temperature=0, logprobs=1
+    )
+    alone = _client(upstream).completions.create(
+        model=up_model, prompt="Hello", max_tokens=3, temperature=0, logprobs=1
+    )
+    relayed_lp, direct_lp = text.choices[0].logprobs, alone.choices[0].logprobs
+    assert relayed_lp.tokens == direct_lp.tokens and len(relayed_lp.tokens) == 3
+    assert relayed_lp.token_logprobs == pytest.approx(direct_lp.token_logprobs, abs=1e-5)
+
+
+def _logprob_pairs(entries: list) -> list[tuple[str, object, list[str]]]:
+    """(token, logprob, alternatives) of each entry; logprobs to 1e-5 (a prefix reused from the
+    cache computes the same prompt in another order)."""
+    return [(e.token, pytest.approx(e.logprob, abs=1e-5), [t.token for t in e.top_logprobs]) for e in entries]
+
+
 # -- upstream failures ----------------------------------------------------------------------------
 
 

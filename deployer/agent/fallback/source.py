@@ -283,9 +283,7 @@ class FallbackSource:
         if info is not None:
             return job.plan(1, info)
         request = job.request
-        if request is None:
-            return SamplingParams(max_tokens=self._max_tokens)
-        # No grammar: the upstream enforces the request's own constraints, and it is sent only text.
+        # No grammar: the upstream is sent the request's own constraints (tools, response_format).
         return request.sampling(
             min(request.requested_max_tokens() or self._max_tokens, self._max_tokens), None
         )
@@ -377,19 +375,26 @@ def _failed(local: ApiError, upstream: BaseException | None) -> ApiError:
     )
 
 
+# Request fields not forwarded as the client sent them: set by the upstream client (model, stream,
+# stream_options) or here (one choice per job, so n and best_of; the token budget resolved against
+# this agent's limits; the choice's own seed), or meaningless to another model (logit_bias names
+# token ids of the device's vocabulary), or done here (echo: the agent puts the prompt in front).
+_NOT_FORWARDED = frozenset(
+    {"model", "stream", "stream_options", "n", "best_of", "max_tokens", "max_completion_tokens", "seed"}
+    | {"logit_bias", "echo"}
+)
+
+
 def _upstream_body(job: Job, params: SamplingParams) -> dict[str, object]:
-    """The OpenAI request body for the upstream (model, stream and usage are set by the client)."""
-    body: dict[str, object] = {
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-    }
+    """The OpenAI request body for the upstream: every field of the request this agent knows that
+    the client set (messages with their tool calls, tools, tool_choice, response_format, logprobs,
+    the sampling), so that the upstream answers the same request; fields this agent ignores are not
+    forwarded either."""
+    request = job.request
+    sent = request.model_dump(exclude_unset=True, by_alias=True, include=set(type(request).model_fields))
+    body = {name: value for name, value in sent.items() if name not in _NOT_FORWARDED}
+    budget = "max_completion_tokens" if "max_completion_tokens" in sent else "max_tokens"
+    body[budget] = params.max_tokens
     if params.seed is not None:
         body["seed"] = params.seed
-    if params.stop:
-        body["stop"] = list(params.stop)
-    if job.messages is not None:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in job.messages]
-    else:
-        body["prompt"] = job.text or ""
     return body

@@ -55,7 +55,7 @@ class Job:
     messages: tuple[ChatMessage, ...] | None
     text: str | None
     plan: Callable[[int, EngineInfo], SamplingParams]
-    request: ChatCompletionRequest | CompletionRequest | None = None  # as the client sent it
+    request: ChatCompletionRequest | CompletionRequest  # as the client sent it
     fallback: bool = True  # False: the device's own model answers (`x-sits-fallback: off`)
     tools: tuple[dict, ...] | None = None
     suffix: str | None = None
