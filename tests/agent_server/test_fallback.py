@@ -612,6 +612,23 @@ def test_an_unsure_device_answers_when_the_upstream_is_down(start_agent, model_n
     assert edge.metrics.value("sits_fallbacks_total", reason="confidence") == 0
 
 
+def test_the_choices_of_one_answer_come_from_one_model(start_agent, fallback, upstream, up_model, model_name):
+    # n=2: the choices sample with seeds 7 and 8, and the threshold lies between their confidences,
+    # so judged one by one, one choice would stay on the device and the other go upstream.
+    plain = _chat(start_agent(), model_name, n=2, logprobs=True, **SAMPLED)[1]
+    confidences = [
+        sum(math.exp(t.logprob) for t in c.logprobs.content[:JUDGED]) / JUDGED for c in plain.choices
+    ]
+    assert confidences[0] != confidences[1]
+    edge = start_agent(fallback=fallback(min_confidence=sum(confidences) / 2, confidence_tokens=JUDGED))
+    headers, reply = _chat(edge, model_name, n=2, **SAMPLED)
+    first_on_edge = confidences[0] > confidences[1]
+    assert headers["x-sits-served-by"] == ("edge" if first_on_edge else "upstream")
+    direct = _chat(upstream, up_model, n=2, **SAMPLED)[1] if not first_on_edge else plain
+    # Every choice is the first's answerer's, each with its own seed.
+    assert [c.message.content for c in reply.choices] == [c.message.content for c in direct.choices]
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

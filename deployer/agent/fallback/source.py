@@ -18,6 +18,10 @@ never both in one answer.
                    for each token's logprob to judge it (the answer shows them only if the client
                    asked), and the first tokens are read ahead before anything leaves
 
+A request's later choices (`n` > 1) go to whoever answered its first (Job.answerer), without
+triggers of their own; when the upstream cannot answer one of them, the answer fails rather than
+take it from the device.
+
 `start` returns only once the answerer's first token is in hand (or its tokenless answer is
 complete), and with `min_confidence` once the device's first tokens are judged, which is how no
 answer mixes two models: the decision falls before anything leaves.
@@ -123,8 +127,12 @@ class FallbackSource:
         """See TokenSource.start: decide who answers, and return once its first token is in hand."""
         began = time.monotonic()
         policy = self.settings.policy
-        if policy == "off" or not job.fallback:
+        if policy == "off" or not job.fallback or (job.answerer is not None and job.answerer.by == "edge"):
             return self._edge(await self._local.start(job))
+        if job.answerer is not None:  # a later choice of an answer the upstream gives
+            return await self._upstream_else_fail(
+                job, job.answerer.reason or "", job.answerer.detail or "", None
+            )
         if policy == "always":
             return await self._upstream_else_local(job, "always", "the policy sends every request upstream")
         if self.settings.not_ready and self._load.edge_status() == "offline":
