@@ -365,26 +365,16 @@ class Upstream(_Model):
 class FallbackTriggers(_Model):
     """When a device under ``policy: on-trigger`` asks the upstream instead of its own model.
 
-    ``min_confidence`` (the mean probability of the first ``confidence_tokens`` tokens) needs token
-    probabilities, which the agent's engines do not report yet: it is refused until they do.
+    ``min_confidence`` (off unless set; 0.6 is a usual value) compares the mean probability of the
+    device's first ``confidence_tokens`` tokens; a stream holds those tokens back until they are
+    judged (docs/fallback.md).
     """
 
     deadline_ms: Annotated[int, Field(ge=1)] | None = 300
-    min_confidence: Annotated[float, Field(ge=0, le=1)] | None = None
+    min_confidence: Annotated[float, Field(gt=0, lt=1)] | None = None
     confidence_tokens: Annotated[int, Field(ge=1, le=64)] = 4
     not_ready: bool = True
     overloaded: bool = True
-
-    @field_validator("min_confidence")
-    @classmethod
-    def _needs_logprobs(cls, value: float | None) -> float | None:
-        if value is not None:
-            raise ValueError(
-                "min_confidence needs the probability of each generated token (logprobs), which the "
-                "agent's engines do not report yet; remove it (deadline_ms, not_ready and overloaded "
-                "work without it)"
-            )
-        return value
 
 
 class Fallback(_Model):

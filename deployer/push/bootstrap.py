@@ -9,7 +9,8 @@
                       wheel (built once per controller run) with --no-deps
     desired_files     what the controller keeps on the device, by device path: agent.yaml, the
                       trusted keys, the systemd units when the device runs systemd, and the
-                      pull-mode files when deploy.yaml provisions it to poll (pull_provision)
+                      pull-mode files when deploy.yaml provisions it to poll (pull_provision);
+                      REMOVED_WHEN_UNSET the key files deleted once deploy.yaml no longer asks
     write_files       upload each file that differs (verified by sha256, renamed into place)
     start_agent       systemd: daemon-reload, enable --now / restart; otherwise (the local demo
                       fleet) `sits-agent serve` as a background process with a pid file and a log
@@ -43,6 +44,7 @@ from deployer.errors import AgentError, SitsError, TransportError
 from deployer.push.api_keys import API_KEYS_FILE, key_file, read_keys
 from deployer.push.facts import (
     AGENT_CONFIG,
+    FALLBACK_KEY_FILE,
     KEYS_DIR,
     UNIT_DIR,
     VENV_PYTHON,
@@ -61,6 +63,7 @@ from deployer.transport import Transport
 __all__ = [
     "INCOMING",
     "LOG_FILE",
+    "REMOVED_WHEN_UNSET",
     "agent_settings",
     "build_wheel",
     "desired_files",
@@ -126,6 +129,12 @@ def short_admin_socket(site: DeviceSite) -> str | None:
         return None
     digest = hashlib.sha256(site.root.encode()).hexdigest()[:16]
     return str(Path.home() / ".cache" / "sits-deployer" / "run" / digest / "admin.sock")
+
+
+# Managed files removed from a device once deploy.yaml no longer asks for them: a key file left
+# behind stays a secret on disk (the fallback upstream's), or stays in force (the agent reads its API
+# keys from the default path whether agent.yaml names them or not, and the controller sends none).
+REMOVED_WHEN_UNSET = frozenset({API_KEYS_FILE, FALLBACK_KEY_FILE})
 
 
 def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[str, bytes]:

@@ -35,6 +35,7 @@ def fallback_settings(config: Config, device: Device, site: DeviceSite) -> dict[
         "model": upstream.model,
         "policy": fallback.policy,
         "deadline_ms": triggers.deadline_ms,
+        "min_confidence": triggers.min_confidence,
         "confidence_tokens": triggers.confidence_tokens,
         "not_ready": triggers.not_ready,
         "overloaded": triggers.overloaded,

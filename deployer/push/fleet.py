@@ -24,7 +24,7 @@ from deployer.config.models import Config, Device
 from deployer.core.hashing import sha256_bytes
 from deployer.core.redact import redacted_json
 from deployer.errors import ConfigError, KeyFileError, SignatureError, SitsError
-from deployer.push.bootstrap import build_wheel, desired_files
+from deployer.push.bootstrap import REMOVED_WHEN_UNSET, build_wheel, desired_files
 from deployer.push.executor import Executor, OnPhase, ResultStatus, RolloutReport
 from deployer.push.facts import DeviceSite, controller_agent_version, gather_fleet
 from deployer.push.health import scrape_metrics
@@ -204,6 +204,7 @@ def make_fleet_plan(
             patches={base: sizes[base] for base in (f.model_sha256,) if base in sizes},
             hooks=hooks,
             built=target is not None,
+            absent=REMOVED_WHEN_UNSET - files[f.name].keys(),
         )
         for f in facts
     }

@@ -4,7 +4,8 @@ In pyinfra's terms these are the operations: they read facts and yield commands,
 recipe is pure; everything it needs (the files deploy.yaml renders for each device, the patch for
 each base, the artifact's files) is gathered by `deployer.push.fleet` before planning.
 
-    write-units     put each managed file that differs; systemd devices: the service user, and
+    write-units     put each managed file that differs, remove those deploy.yaml no longer asks for
+                    (a secret whose section is gone); systemd devices: the service user, and
                     daemon-reload when a unit changed; restart a running agent that serves a model
     send-patch      put the signed release manifest and the patch into incoming/<counter>/
     send-artifact   put the manifest and every artifact file
@@ -24,6 +25,7 @@ answers while they run.
 from __future__ import annotations
 
 import posixpath
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,7 @@ from deployer.push.plan import (
     DeviceFacts,
     StepKind,
     send_kind,
+    stale_files,
 )
 
 __all__ = ["CALLS", "DeviceRecipe", "release_dir"]
@@ -57,6 +60,7 @@ CALLS = {
 INSTALL_TIMEOUT_S = 900.0
 VERSIONS_DIR = f"{STORE_DIR}/versions"  # the versions the agent verified (deployer.agent.store)
 DAEMON_RELOAD_TIMEOUT_S = 60.0
+REMOVE_TIMEOUT_S = 30.0
 
 
 def release_dir() -> str:
@@ -88,7 +92,7 @@ class DeviceRecipe:
         if kind is StepKind.BOOTSTRAP:
             return (_call("install-agent", f"agent {desired.agent_version} for {site.python}"),)
         if kind is StepKind.WRITE_UNITS:
-            return self._write_units(site, facts)
+            return self._write_units(site, facts, desired)
         if kind is StepKind.SEND_PATCH:
             base = facts.model_sha256 or ""
             patch = Action(
@@ -118,12 +122,22 @@ class DeviceRecipe:
         prefix = "pre-" if kind is StepKind.PRE_DEPLOY_HOOK else "post-"
         return tuple(self._hook(phase) for phase in sorted(desired.hooks) if phase.startswith(prefix))
 
-    def _write_units(self, site: DeviceSite, facts: DeviceFacts) -> tuple[Action, ...]:
+    def _write_units(self, site: DeviceSite, facts: DeviceFacts, desired: DesiredState) -> tuple[Action, ...]:
         files = self.files[site.name]
         changed = sorted(p for p, data in files.items() if facts.unit_hashes.get(p) != sha256_bytes(data))
         actions = [
             Action(ActionKind.PUT, path, GENERATED, sha256=sha256_bytes(files[path]), bytes=len(files[path]))
             for path in changed
+        ]
+        stale = stale_files(desired, facts)
+        actions += [
+            Action(
+                ActionKind.RUN,
+                f"rm -f {shlex.quote(site.path(path))}",
+                timeout_s=REMOVE_TIMEOUT_S,
+                what=f"{site.name}: removing {path} (deploy.yaml no longer asks for it)",
+            )
+            for path in stale
         ]
         if facts.systemd:
             actions.append(_call("prepare-service-user", "user sits owns /var/lib/sits"))
@@ -136,7 +150,7 @@ class DeviceRecipe:
                         what=f"{site.name}: daemon-reload",
                     )
                 )
-        if changed and facts.model_version:
+        if (changed or stale) and facts.model_version:
             actions.append(_call("restart-if-running", "the agent reads the new files"))
         return tuple(actions)
 

@@ -97,6 +97,7 @@ class DesiredState:
     patches: Mapping[str, int] = field(default_factory=dict)
     hooks: frozenset[str] = frozenset()  # phases that have a hook configured (pre-/post-deploy or -rollback)
     built: bool = True
+    absent: frozenset[str] = frozenset()  # managed files that must not be on the device (see stale_files)
 
 
 class ActionKind(enum.StrEnum):
@@ -267,8 +268,10 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
         have = facts.agent_version or "none"
         steps.append(Step(StepKind.BOOTSTRAP, f"agent {have} -> {desired.agent_version}"))
     changed_units = sorted(u for u, h in desired.unit_hashes.items() if facts.unit_hashes.get(u) != h)
-    if changed_units:
-        steps.append(Step(StepKind.WRITE_UNITS, "units differ: " + ", ".join(changed_units)))
+    stale = stale_files(desired, facts)
+    if changed_units or stale:
+        differ = ["units differ: " + ", ".join(changed_units)] if changed_units else []
+        steps.append(Step(StepKind.WRITE_UNITS, "; ".join([*differ, *(f"remove {p}" for p in stale)])))
     model_steps = _model_steps(desired, facts) if desired.built else []
     if isinstance(model_steps, str):
         return verdict(DeviceStatus.BLOCKED, model_steps)
@@ -289,6 +292,12 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
     if recipe is not None:
         steps = [replace(s, actions=recipe.actions(s.kind, facts, desired)) for s in steps]
     return verdict(DeviceStatus.CHANGE, reason, steps)
+
+
+def stale_files(desired: DesiredState, facts: DeviceFacts) -> list[str]:
+    """The managed files on the device that deploy.yaml no longer asks for (a secret whose section
+    was removed): the write-units step deletes them."""
+    return sorted(path for path in desired.absent if path in facts.unit_hashes)
 
 
 def send_kind(desired: DesiredState, facts: DeviceFacts) -> StepKind:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ import openai
 import pytest
 
 from deployer.agent.engines import make_engine
-from deployer.agent.fallback.settings import CONFIDENCE_NEEDS_LOGPROBS, FallbackSettings
+from deployer.agent.fallback.settings import FallbackSettings
 from deployer.agent.http.server import AgentServer
 from deployer.agent.settings import load_settings
 from deployer.errors import AgentError, ConfigError
@@ -357,6 +358,114 @@ def test_the_estimate_sends_a_request_upstream_before_it_starts(start_agent, fal
     holder.join(60)
 
 
+# -- the request the upstream is sent ---------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+        },
+    },
+}
+ROOMY = {"context_length": 512, "max_prompt_tokens": 384, "max_tokens": 128}  # tools make long prompts
+
+
+@pytest.fixture
+def roomy_pair(start_agent, tiny_model_dir_b: Path) -> tuple[AgentServer, AgentServer]:
+    """(edge with no model loaded, so that every request goes upstream; its upstream agent)."""
+    upstream = start_agent(load=False, **ROOMY)
+    assert upstream.reload(tiny_model_dir_b, "v1").ok
+    settings = FallbackSettings(base_url=f"http://127.0.0.1:{upstream.port}/v1", model=tiny_model_dir_b.name)
+    return start_agent(load=False, fallback=settings, **ROOMY), upstream
+
+
+def test_a_tool_calling_request_is_answered_upstream_with_a_tool_call(roomy_pair, up_model):
+    edge, upstream = roomy_pair
+    ask = {
+        "messages": QUESTION,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
+    direct = _client(upstream).chat.completions.create(model=up_model, temperature=0, max_tokens=96, **ask)
+    expected = json.loads(direct.choices[0].message.tool_calls[0].function.arguments)
+    raw = _client(edge).chat.completions.with_raw_response.create(
+        model="m", temperature=0, max_tokens=96, **ask
+    )
+    assert raw.headers["x-sits-served-by"] == "upstream"
+    answer = raw.parse().choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None
+    (call,) = answer.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == expected
+    chunks = list(
+        _client(edge).chat.completions.create(model="m", temperature=0, max_tokens=96, stream=True, **ask)
+    )
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "tool_calls"
+    ]
+
+
+def test_the_upstream_is_sent_the_whole_request(roomy_pair, up_model):
+    edge, upstream = roomy_pair
+    conversation = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21}'},
+    ]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    asks = [
+        # Each answer is the upstream's own to the same request: the earlier call and its result
+        # reach its prompt (the same prompt, token for token), the schema constrains its answer, it
+        # reports the logprobs asked for.
+        {"messages": conversation, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 4},
+        {
+            "messages": QUESTION,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        },
+        {"messages": QUESTION, "logprobs": True, "top_logprobs": 2, "max_tokens": 4},
+    ]
+    for ask in asks:
+        ask = {"temperature": 0, "max_tokens": 32, **ask}
+        direct = _client(upstream).chat.completions.create(model=up_model, **ask)
+        relayed = _client(edge).chat.completions.create(model="m", **ask)
+        assert relayed.usage.prompt_tokens == direct.usage.prompt_tokens
+        assert relayed.choices[0].message.content == direct.choices[0].message.content
+        if ask.get("logprobs"):
+            pairs = _logprob_pairs(relayed.choices[0].logprobs.content)
+            assert pairs == _logprob_pairs(direct.choices[0].logprobs.content) and len(pairs) == 4
+    text = _client(edge).completions.create(
+        model="m", prompt="Hello", max_tokens=3, temperature=0, logprobs=1
+    )
+    alone = _client(upstream).completions.create(
+        model=up_model, prompt="Hello", max_tokens=3, temperature=0, logprobs=1
+    )
+    relayed_lp, direct_lp = text.choices[0].logprobs, alone.choices[0].logprobs
+    assert relayed_lp.tokens == direct_lp.tokens and len(relayed_lp.tokens) == 3
+    assert relayed_lp.token_logprobs == pytest.approx(direct_lp.token_logprobs, abs=1e-5)
+
+
+def _logprob_pairs(entries: list) -> list[tuple[str, object, list[str]]]:
+    """(token, logprob, alternatives) of each entry; logprobs to 1e-5 (a prefix reused from the
+    cache computes the same prompt in another order)."""
+    return [(e.token, pytest.approx(e.logprob, abs=1e-5), [t.token for t in e.top_logprobs]) for e in entries]
+
+
 # -- upstream failures ----------------------------------------------------------------------------
 
 
@@ -426,10 +535,114 @@ def test_an_unreadable_key_file_is_named_not_read(start_agent, short_dir):
         )
 
 
-def test_min_confidence_is_refused_until_the_engines_report_logprobs(tmp_path):
+# -- the confidence trigger ------------------------------------------------------------------------
+
+JUDGED = 3  # confidence_tokens in these tests
+
+
+def _edge_confidence(agent: AgentServer, model: str) -> tuple[str, float]:
+    """(answer, mean probability of its first JUDGED tokens) of the SAMPLED request on a plain agent
+    serving the edge's model, from the logprobs it reports: the thresholds below are set around it,
+    so each test's outcome is decided by the model, not by a guess about it."""
+    reply = _chat(agent, model, logprobs=True, **SAMPLED)[1].choices[0]
+    first = reply.logprobs.content[:JUDGED]
+    assert len(first) == JUDGED
+    return reply.message.content, sum(math.exp(t.logprob) for t in first) / JUDGED
+
+
+def test_a_sure_device_keeps_the_answer_and_shows_no_logprobs_unasked(start_agent, fallback, model_name):
+    alone, confidence = _edge_confidence(start_agent(), model_name)
+    edge = start_agent(fallback=fallback(min_confidence=confidence / 2, confidence_tokens=JUDGED))
+    headers, reply = _chat(edge, model_name, **SAMPLED)
+    assert headers["x-sits-served-by"] == "edge" and "x-sits-fallback-reason" not in headers
+    assert reply.choices[0].message.content == alone  # asking the engine for logprobs changed no token
+    assert reply.choices[0].logprobs is None  # the agent asked for them, the client did not
+    headers, chunks = _stream(edge, model_name, **SAMPLED)
+    assert headers["x-sits-served-by"] == "edge"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == alone
+    assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
+    # A client that asks gets them as it asked (two alternatives), the judged tokens' among them.
+    reply = _chat(edge, model_name, logprobs=True, top_logprobs=2, **SAMPLED)[1].choices[0]
+    assert all(len(t.top_logprobs) == 2 for t in reply.logprobs.content)
+    assert edge.metrics.value("sits_answers_total", served_by="edge") == 3
+    assert edge.metrics.value("sits_edge_confidence_count") == 3
+    assert edge.metrics.value("sits_fallbacks_total", reason="confidence") == 0
+
+
+def test_an_unsure_device_is_answered_for_by_the_upstream_and_a_stream_never_mixes(
+    start_agent, fallback, upstream, up_model, model_name
+):
+    alone, confidence = _edge_confidence(start_agent(), model_name)
+    threshold = (1 + confidence) / 2  # above the device's confidence, below 1
+    edge = start_agent(fallback=fallback(min_confidence=threshold, confidence_tokens=JUDGED))
+    upstream_alone = _upstream_answer(upstream, up_model, **SAMPLED)
+    assert upstream_alone != alone  # the two models are told apart by their words
+    headers, reply = _chat(edge, model_name, **SAMPLED)
+    assert (headers["x-sits-served-by"], headers["x-sits-fallback-reason"]) == ("upstream", "confidence")
+    assert reply.choices[0].message.content == upstream_alone
+    detail = reply.model_extra["sits"]["detail"]
+    assert f"mean probability {confidence:.3f} of the first {JUDGED} tokens" in detail
+    assert f"below min_confidence {threshold:g}" in detail
+    headers, chunks = _stream(edge, model_name, **SAMPLED)
+    assert (headers["x-sits-served-by"], headers["x-sits-fallback-reason"]) == ("upstream", "confidence")
+    # The device's held-back tokens were discarded: every token is the upstream's, none the device's.
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == upstream_alone
+    assert {c.model for c in chunks} == {f"{up_model}@v1"}
+    assert {c.model_extra["sits"]["fallback_reason"] for c in chunks} == {"confidence"}
+    assert edge.metrics.value("sits_fallbacks_total", reason="confidence") == 2
+    assert edge.metrics.value("sits_answers_total", served_by="upstream") == 2
+
+
+def test_an_unsure_device_answers_when_the_upstream_is_down(start_agent, model_name):
+    alone, confidence = _edge_confidence(start_agent(), model_name)
+    settings = FallbackSettings(  # nothing listens on port 9: connection refused
+        base_url="http://127.0.0.1:9/v1",
+        model="m",
+        min_confidence=(1 + confidence) / 2,
+        confidence_tokens=JUDGED,
+    )
+    edge = start_agent(fallback=settings)
+    headers, reply = _chat(edge, model_name, **SAMPLED)
+    assert headers["x-sits-served-by"] == "edge"
+    assert reply.choices[0].message.content == alone  # the answer the device had held back
+    headers, chunks = _stream(edge, model_name, **SAMPLED)
+    assert headers["x-sits-served-by"] == "edge"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == alone
+    assert edge.metrics.value("sits_fallback_failures_total", kind="connect") == 2
+    assert edge.metrics.value("sits_fallbacks_total", reason="confidence") == 0
+
+
+def test_the_choices_of_one_answer_come_from_one_model(start_agent, fallback, upstream, up_model, model_name):
+    # n=2: the choices sample with seeds 7 and 8, and the threshold lies between their confidences,
+    # so judged one by one, one choice would stay on the device and the other go upstream.
+    plain = _chat(start_agent(), model_name, n=2, logprobs=True, **SAMPLED)[1]
+    confidences = [
+        sum(math.exp(t.logprob) for t in c.logprobs.content[:JUDGED]) / JUDGED for c in plain.choices
+    ]
+    assert confidences[0] != confidences[1]
+    edge = start_agent(fallback=fallback(min_confidence=sum(confidences) / 2, confidence_tokens=JUDGED))
+    headers, reply = _chat(edge, model_name, n=2, **SAMPLED)
+    first_on_edge = confidences[0] > confidences[1]
+    assert headers["x-sits-served-by"] == ("edge" if first_on_edge else "upstream")
+    direct = _chat(upstream, up_model, n=2, **SAMPLED)[1] if not first_on_edge else plain
+    # Every choice is the first's answerer's, each with its own seed.
+    assert [c.message.content for c in reply.choices] == [c.message.content for c in direct.choices]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("min_confidence: 1", "less than 1"),
+        ("min_confidence: 0", "greater than 0"),
+        ("confidence_tokens: 0", "greater than or equal to 1"),
+    ],
+)
+def test_the_confidence_settings_are_range_checked_where_they_are_written(tmp_path, line, message):
     path = tmp_path / "agent.yaml"
-    path.write_text("fallback:\n  base_url: http://10.0.0.5:8080/v1\n  model: m\n  min_confidence: 0.6\n")
+    path.write_text(f"fallback:\n  base_url: http://10.0.0.5:8080/v1\n  model: m\n  {line}\n")
     with pytest.raises(ConfigError) as info:
         load_settings(path)
-    assert f"{path}:4: fallback.min_confidence:" in info.value.message
-    assert "logprobs" in info.value.message and CONFIDENCE_NEEDS_LOGPROBS.split(";")[0] in info.value.message
+    assert f"{path}:4: fallback.{line.split(':')[0]}:" in info.value.message
+    assert message in info.value.message
+    path.write_text("fallback:\n  base_url: http://10.0.0.5:8080/v1\n  model: m\n  min_confidence: 0.6\n")
+    assert load_settings(path).fallback.min_confidence == 0.6

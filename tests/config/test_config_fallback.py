@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deployer.agent.fallback.settings import FallbackSettings
 from deployer.config import load_config, validate_file
 from deployer.push.bootstrap import agent_settings, desired_files
 from deployer.push.facts import FALLBACK_KEY_FILE, DeviceSite
@@ -30,11 +31,28 @@ def _findings(path: Path, environ: dict | None = None) -> list[str]:
     return [str(f) for f in found if f.is_error]  # not the fixture's own warnings (no signing section)
 
 
-def test_min_confidence_is_refused_where_it_is_written(write_config):
-    path = write_config(FLEET.replace("{deadline_ms: 250}", "{deadline_ms: 250, min_confidence: 0.6}"))
+@pytest.mark.parametrize(
+    ("triggers", "column", "message"),  # the column of the offending value
+    [
+        ("{min_confidence: 1.0}", 30, "less than 1"),
+        ("{min_confidence: 0}", 30, "greater than 0"),
+        ("{min_confidence: 0.6, confidence_tokens: 0}", 54, "greater than or equal to 1"),
+    ],
+)
+def test_the_confidence_trigger_is_range_checked_where_it_is_written(write_config, triggers, column, message):
+    path = write_config(FLEET.replace("{deadline_ms: 250}", triggers))
     [finding] = _findings(path)
-    assert f"{path}:25:" in finding and "fallback.triggers.min_confidence" in finding
-    assert "logprobs" in finding
+    assert f"{path}:25:{column}: fallback.triggers." in finding and message in finding
+
+
+def test_the_confidence_trigger_reaches_the_agent(write_config):
+    path = write_config(FLEET.replace("{deadline_ms: 250}", "{min_confidence: 0.6, confidence_tokens: 2}"))
+    assert _findings(path) == []
+    config = load_config(path, {"UPSTREAM_KEY": KEY})
+    site = DeviceSite.of(config, config.fleet.devices[0])
+    section = yaml.safe_load(agent_settings(config, site))["fallback"]
+    settings = FallbackSettings(**section)  # what the agent reads at start
+    assert (settings.min_confidence, settings.confidence_tokens) == (0.6, 2)
 
 
 def test_a_device_that_falls_back_needs_an_upstream(write_config):

@@ -90,3 +90,25 @@ def test_the_edge_answers_through_the_upstream_and_status_shows_it(fleet: Projec
     assert "edge" in table and "fallbacks" in table  # the headers (the table may wrap them)
     log = (fleet.device_root("edge") / "var/log/sits-agent.log").read_text()
     assert KEY not in log
+
+
+def test_removing_the_fallback_removes_the_key_from_the_device(fleet: Project):
+    # Last in this module: it takes the fallback away from the fleet the tests above set up.
+    doc = yaml.safe_load(fleet.config_path.read_text())
+    del doc["fallback"]
+    for device in doc["fleet"]["devices"]:
+        del device["fallback"]
+    fleet.config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    key = fleet.device_root("edge") / FALLBACK_KEY_FILE.lstrip("/")
+    plan = fleet.cli("-v", "plan", "-f", str(fleet.config_path)).output
+    assert f"remove {FALLBACK_KEY_FILE}" in plan and f"run rm -f {key}" in plan
+    applied = fleet.run("apply", "--output", "json")
+    assert applied.exit_code == 0, applied.output
+    assert not key.exists()
+    assert "fallback" not in yaml.safe_load((fleet.device_root("edge") / "etc/sits/agent.yaml").read_text())
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{_port(fleet, 'edge')}/v1", api_key="x", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    assert raw.headers["x-sits-served-by"] == "edge"  # the restarted agent has no upstream any more
+    assert f"remove {FALLBACK_KEY_FILE}" not in fleet.cli("-v", "plan", "-f", str(fleet.config_path)).output

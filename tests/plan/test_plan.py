@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from deployer.push.plan import (
@@ -27,6 +29,7 @@ DESIRED = DesiredState(
     unit_hashes=UNITS,
     patches={"old": 100},
     hooks=frozenset({"pre-deploy", "post-deploy"}),
+    absent=frozenset({"/etc/sits/key"}),  # gone from the first device's files (up to date without it)
 )
 CURRENT = dict(
     reachable=True,
@@ -76,6 +79,11 @@ CASES = {
         DeviceStatus.CHANGE,
         [K.PRE_DEPLOY_HOOK, K.RELOAD, K.POST_DEPLOY_HOOK],
     ),
+    "a key file deploy.yaml no longer asks for: write-units": (
+        dict(CURRENT, model_version="1.1.0", model_sha256="new", unit_hashes={**UNITS, "/etc/sits/key": "k"}),
+        DeviceStatus.CHANGE,
+        [K.WRITE_UNITS],
+    ),
     "offline": (dict(reachable=False, error="connection refused"), DeviceStatus.OFFLINE, []),
     "host key changed": (dict(reachable=False, refused=True, error="CHANGED"), DeviceStatus.BLOCKED, []),
     "not enough disk": (dict(CURRENT, free_disk_bytes=500), DeviceStatus.BLOCKED, []),
@@ -89,6 +97,17 @@ def test_plan_cases(name: str) -> None:
     assert plan.status is status
     assert [s.kind for s in plan.steps] == kinds
     assert all(s.reason for s in plan.steps)
+
+
+def test_a_stale_key_file_is_named_in_the_reason() -> None:
+    facts = DeviceFacts(name="dev1", **dict(CURRENT, model_version="1.1.0", model_sha256="new"))
+    stale = plan_device(DESIRED, replace(facts, unit_hashes={**UNITS, "/etc/sits/key": "k"}))
+    assert stale.steps[0].reason == "remove /etc/sits/key"
+    both = plan_device(DESIRED, replace(facts, unit_hashes={"/etc/sits/key": "k"}))
+    assert (
+        both.steps[0].reason
+        == "units differ: sits-agent.service, sits-rollback.service; remove /etc/sits/key"
+    )
 
 
 def test_bytes_to_send_counts_the_payload() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from deployer.core.hashing import sha256_bytes
 from deployer.push.operations import DeviceRecipe
 from deployer.push.plan import GENERATED, ActionKind, DesiredState, DeviceFacts, StepKind
 from tests.push.simulator import SimFleet
@@ -36,6 +37,21 @@ def test_units_on_a_systemd_device_reload_systemd_and_restart_the_agent(tmp_path
         (ActionKind.CALL, "restart-if-running"),
     ]
     assert {a.source for a in actions if a.kind is ActionKind.PUT} == {GENERATED}
+
+
+def test_a_key_file_deploy_yaml_no_longer_asks_for_is_removed(tmp_path: Path) -> None:
+    recipe, facts, desired = _setup(tmp_path)
+    key = "/etc/sits/secrets/fallback-key"
+    hashes = {path: sha256_bytes(data) for path, data in FILES.items()}
+    gone = replace(desired, absent=frozenset({key}))
+    actions = recipe.actions(StepKind.WRITE_UNITS, replace(facts, unit_hashes={**hashes, key: "k"}), gone)
+    site = recipe.sites["dev1"]
+    assert [(a.kind, a.target) for a in actions] == [
+        (ActionKind.RUN, f"rm -f {site.path(key)}"),
+        (ActionKind.CALL, "restart-if-running"),  # the agent must stop using what it read
+    ]
+    # Not on the device (anymore): nothing to do.
+    assert recipe.actions(StepKind.WRITE_UNITS, replace(facts, unit_hashes=hashes), gone) == ()
 
 
 def test_a_device_without_a_patch_base_gets_the_full_artifact(tmp_path: Path) -> None:

@@ -5,6 +5,8 @@
     sits_fallback_failures_total{kind}            upstream calls that failed (connect, timeout,
                                                   status, malformed, open: refused by the breaker)
     sits_upstream_first_token_seconds             the upstream's time to first token
+    sits_edge_confidence                          the mean probability of the device's first tokens,
+                                                  as the confidence trigger judged them
     sits_fallbacks_last_5m                        answers the upstream gave in the last 5 minutes
     sits_edge_status{status}                      1 for the device's state now (ready, busy, offline)
     sits_fallback_breaker_state{state}            1 for the breaker's state now (closed, open, half-open)
@@ -27,6 +29,7 @@ __all__ = ["RECENT_WINDOW_S", "FallbackMetrics"]
 RECENT_WINDOW_S = 300.0
 EDGE_STATES = ("ready", "busy", "offline")
 BREAKER_STATES = ("closed", "open", "half-open")
+CONFIDENCE_BUCKETS = tuple(i / 10 for i in range(1, 11))  # min_confidence is chosen by tenths
 
 
 class FallbackMetrics:
@@ -55,6 +58,12 @@ class FallbackMetrics:
             "sits_upstream_first_token_seconds",
             "The upstream model's time to first token.",
             buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.confidence = Histogram(
+            "sits_edge_confidence",
+            "The mean probability of the device's first tokens, as the confidence trigger judged them.",
+            buckets=CONFIDENCE_BUCKETS,
             registry=registry,
         )
         registry.register(_Gauges(edge_status, breaker_state, recent))

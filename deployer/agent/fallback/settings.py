@@ -6,6 +6,8 @@ fallback:
   api_key_file: /etc/sits/secrets/fallback-key   # mode 0600; its first line is the bearer key
   policy: on-trigger                      # off | on-trigger | always
   deadline_ms: 300                        # first token later than this: ask the upstream
+  min_confidence: 0.6                     # mean probability of the first tokens below this: ask it
+  confidence_tokens: 4                    # how many first tokens (a stream holds them back)
   not_ready: true                         # no model loaded (loading, load failed)
   overloaded: true                        # the queue is full, or the engine ran out of memory
 """
@@ -15,18 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["CONFIDENCE_NEEDS_LOGPROBS", "FallbackSettings", "Policy"]
+__all__ = ["FallbackSettings", "Policy"]
 
 Policy = Literal["off", "on-trigger", "always"]
-
-# The confidence trigger reads the probability of each generated token. The engines report none yet
-# (TokenEvent has no logprob): until they do, the setting is refused instead of silently ignored.
-CONFIDENCE_NEEDS_LOGPROBS = (
-    "min_confidence needs the probability of each generated token (logprobs), which this agent's "
-    "engines do not report yet; remove it (deadline_ms, not_ready and overloaded work without it)"
-)
 
 
 class FallbackSettings(BaseModel):
@@ -39,7 +34,9 @@ class FallbackSettings(BaseModel):
     api_key_file: Path | None = Field(default=None, description="bearer key for the upstream (0600)")
     policy: Policy = "on-trigger"
     deadline_ms: int | None = Field(default=300, ge=1, description="first-token deadline; null: off")
-    min_confidence: float | None = Field(default=None, ge=0, le=1)
+    min_confidence: float | None = Field(
+        default=None, gt=0, lt=1, description="mean first-token probability below which: upstream; null: off"
+    )
     confidence_tokens: int = Field(default=4, ge=1, le=64, description="tokens min_confidence averages")
     not_ready: bool = True
     overloaded: bool = True
@@ -49,10 +46,3 @@ class FallbackSettings(BaseModel):
     breaker_failures: int = Field(default=3, ge=1, description="failures in a row that open the breaker")
     breaker_backoff_s: float = Field(default=5.0, gt=0, description="first open period; doubles")
     breaker_max_backoff_s: float = Field(default=300.0, gt=0)
-
-    @field_validator("min_confidence")
-    @classmethod
-    def _needs_logprobs(cls, value: float | None) -> float | None:
-        if value is not None:
-            raise ValueError(CONFIDENCE_NEEDS_LOGPROBS)
-        return value

@@ -12,24 +12,31 @@ never both in one answer.
                    or, once started, no first token came within `deadline_ms`: then the upstream is
                    asked too and the first of the two to produce a token answers, the other is
                    cancelled (so a late device still answers when the upstream cannot)
+      confidence   the mean probability of the device's first `confidence_tokens` tokens is below
+                   `min_confidence`: those tokens are discarded and the upstream answers (the device
+                   does when the upstream cannot: its answer exists). The device's engine is asked
+                   for each token's logprob to judge it (the answer shows them only if the client
+                   asked), and the first tokens are read ahead before anything leaves
+
+A request's later choices (`n` > 1) go to whoever answered its first (Job.answerer), without
+triggers of their own; when the upstream cannot answer one of them, the answer fails rather than
+take it from the device.
 
 `start` returns only once the answerer's first token is in hand (or its tokenless answer is
-complete), which is how no answer mixes two models: the decision falls before anything leaves.
+complete), and with `min_confidence` once the device's first tokens are judged, which is how no
+answer mixes two models: the decision falls before anything leaves.
 The upstream's failures (unreachable, too slow, error status, not an OpenAI stream) feed a circuit
 breaker; when the upstream cannot answer, the device does where it can, else the request fails
 with 502 (the upstream answered badly) or 503 (it could not be reached, or its breaker is open).
-
-Confidence (`min_confidence`) is the one trigger not wired: it needs each token's probability,
-which the engines do not report yet (FallbackSettings refuses the setting). With logprobs on
-TokenEvent, `_local_first` reads `confidence_tokens` events instead of one and compares their mean
-probability; everything else here stays as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -120,8 +127,12 @@ class FallbackSource:
         """See TokenSource.start: decide who answers, and return once its first token is in hand."""
         began = time.monotonic()
         policy = self.settings.policy
-        if policy == "off" or not job.fallback:
+        if policy == "off" or not job.fallback or (job.answerer is not None and job.answerer.by == "edge"):
             return self._edge(await self._local.start(job))
+        if job.answerer is not None:  # a later choice of an answer the upstream gives
+            return await self._upstream_else_fail(
+                job, job.answerer.reason or "", job.answerer.detail or "", None
+            )
         if policy == "always":
             return await self._upstream_else_local(job, "always", "the policy sends every request upstream")
         if self.settings.not_ready and self._load.edge_status() == "offline":
@@ -166,9 +177,7 @@ class FallbackSource:
             await asyncio.wait({local})
             error = local.exception()
             if error is None:
-                if upstream is not None:
-                    _discard(upstream)  # the device's first token came first after all
-                return self._edge(local.result())
+                return await self._judged(job, local.result(), upstream)
             reason = _TRIGGERED_BY.get(error.code or "") if isinstance(error, ApiError) else None
             if not isinstance(error, ApiError) or reason is None or not getattr(self.settings, reason):
                 raise error
@@ -183,6 +192,34 @@ class FallbackSource:
                 if task is not None:
                     _discard(task)
             raise
+
+    async def _judged(
+        self, job: Job, local: _ReadAhead, upstream: asyncio.Future[UpstreamGeneration] | None
+    ) -> Generation:
+        """The device's answer, unless the confidence trigger finds its first tokens unsure: then the
+        upstream's (the one the deadline already asked, or asked now); still the device's when the
+        upstream cannot answer."""
+        threshold = self.settings.min_confidence
+        tokens = self.settings.confidence_tokens
+        probabilities = [] if threshold is None else await local.probabilities(tokens)
+        confidence = sum(probabilities) / len(probabilities) if probabilities else None
+        if confidence is not None:
+            self.metrics.confidence.observe(confidence)
+        if threshold is None or confidence is None or confidence >= threshold:
+            if upstream is not None:
+                _discard(upstream)  # the device's first token came first after all
+            return self._edge(local)
+        detail = (
+            f"mean probability {confidence:.3f} of the first {len(probabilities)} tokens, "
+            f"below min_confidence {threshold:g}"
+        )
+        try:
+            generation = await upstream if upstream is not None else await self._open_upstream(job)
+        except UpstreamFailure as exc:
+            _log.warning("fallback (confidence): the upstream failed, the device answers: %s", exc.message)
+            return self._edge(local)
+        local.cancel()  # its tokens were held back: none has left
+        return self._served(generation, "confidence", detail)
 
     async def _upstream_else_local(self, job: Job, reason: str, detail: str) -> Generation:
         """The upstream's answer; the device's when the upstream cannot give one."""
@@ -205,9 +242,11 @@ class FallbackSource:
 
     # -- the two answerers ------------------------------------------------------------------------
 
-    async def _local_first(self, job: Job) -> Generation:
-        """The device's generation, started and with its first event read ahead."""
-        generation = await self._local.start(job)
+    async def _local_first(self, job: Job) -> _ReadAhead:
+        """The device's generation, started and with its first event read ahead (and each token's
+        logprob asked for when the confidence trigger will judge them)."""
+        judged = self.settings.min_confidence is not None
+        generation = await self._local.start(_with_logprobs(job) if judged else job)
         try:
             events = generation.events().__aiter__()
             head: list[TokenEvent] = []
@@ -252,9 +291,7 @@ class FallbackSource:
         if info is not None:
             return job.plan(1, info)
         request = job.request
-        if request is None:
-            return SamplingParams(max_tokens=self._max_tokens)
-        # No grammar: the upstream enforces the request's own constraints, and it is sent only text.
+        # No grammar: the upstream is sent the request's own constraints (tools, response_format).
         return request.sampling(
             min(request.requested_max_tokens() or self._max_tokens, self._max_tokens), None
         )
@@ -296,6 +333,32 @@ class _ReadAhead:
         """See Generation.cancel."""
         self._inner.cancel()
 
+    async def probabilities(self, tokens: int) -> list[float]:
+        """The probabilities of the first `tokens` tokens (fewer when the answer ends before), read
+        ahead as far as needed (they are replayed first). Tokens without a logprob (an end id) do not
+        count."""
+
+        def judged() -> list[float]:
+            return [math.exp(e.logprobs.chosen.logprob) for e in self._head if e.logprobs is not None]
+
+        while len(judged()) < tokens and not (self._head and self._head[-1].finish_reason is not None):
+            try:
+                self._head.append(await self._rest.__anext__())
+            except StopAsyncIteration:
+                break
+        return judged()[:tokens]
+
+
+def _with_logprobs(job: Job) -> Job:
+    """`job` asking its engine for each token's logprob, which the confidence trigger reads. The
+    answer shows them only when the client asked: http/choices.py formats what the request asked."""
+
+    def plan(prompt_tokens: int, info: EngineInfo) -> SamplingParams:
+        params = job.plan(prompt_tokens, info)
+        return params if params.logprobs is not None else dataclasses.replace(params, logprobs=0)
+
+    return dataclasses.replace(job, plan=plan)
+
 
 def _discard(task: asyncio.Future) -> None:
     """Cancel a task that lost (or whose request failed), and the generation it may have made."""
@@ -320,19 +383,26 @@ def _failed(local: ApiError, upstream: BaseException | None) -> ApiError:
     )
 
 
+# Request fields not forwarded as the client sent them: set by the upstream client (model, stream,
+# stream_options) or here (one choice per job, so n and best_of; the token budget resolved against
+# this agent's limits; the choice's own seed), or meaningless to another model (logit_bias names
+# token ids of the device's vocabulary), or done here (echo: the agent puts the prompt in front).
+_NOT_FORWARDED = frozenset(
+    {"model", "stream", "stream_options", "n", "best_of", "max_tokens", "max_completion_tokens", "seed"}
+    | {"logit_bias", "echo"}
+)
+
+
 def _upstream_body(job: Job, params: SamplingParams) -> dict[str, object]:
-    """The OpenAI request body for the upstream (model, stream and usage are set by the client)."""
-    body: dict[str, object] = {
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-    }
+    """The OpenAI request body for the upstream: every field of the request this agent knows that
+    the client set (messages with their tool calls, tools, tool_choice, response_format, logprobs,
+    the sampling), so that the upstream answers the same request; fields this agent ignores are not
+    forwarded either."""
+    request = job.request
+    sent = request.model_dump(exclude_unset=True, by_alias=True, include=set(type(request).model_fields))
+    body = {name: value for name, value in sent.items() if name not in _NOT_FORWARDED}
+    budget = "max_completion_tokens" if "max_completion_tokens" in sent else "max_tokens"
+    body[budget] = params.max_tokens
     if params.seed is not None:
         body["seed"] = params.seed
-    if params.stop:
-        body["stop"] = list(params.stop)
-    if job.messages is not None:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in job.messages]
-    else:
-        body["prompt"] = job.text or ""
     return body

@@ -7,6 +7,10 @@ as the upstream's first token is in hand: `UpstreamClient.open` returns only the
 UpstreamFailure for anything short of that (unreachable, too slow, an error status, a body that is
 not an OpenAI stream), before any of it reaches the client.
 
+The upstream is sent the client's request (source._upstream_body says which fields are set here), so
+its answer can hold tool calls and logprobs: tool calls become the text the device's own model
+writes for them, which the routes parse the same way; logprobs become this agent's TokenLogprobs.
+
 The API key travels only in the Authorization header; every text taken from the upstream into an
 error message is scrubbed of it first, since a broken upstream may echo the request back.
 """
@@ -15,14 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
 import httpx
 
-from deployer.agent.engines.base import EngineInfo, TokenEvent
+from deployer.agent.chat import tool_call_frame
+from deployer.agent.engines.base import EngineInfo, Logprob, TokenEvent, TokenLogprobs
 from deployer.agent.http.generate import Cancelled, ServedBy, Started
 from deployer.agent.http.openai_schemas import ApiError
 
@@ -124,6 +130,67 @@ async def _close(response: httpx.Response | None) -> None:
         await response.aclose()
 
 
+class _ToolCallText:
+    """An upstream's streamed tool calls (OpenAI's `delta.tool_calls`) as the text the device's own
+    model writes for them (chat.tool_call_frame), so that the one parser (http/tool_parser.py) turns
+    both into the answer's `tool_calls`, streamed or whole: a fallback answer to a tool-calling
+    request is still a tool call. The calls get this agent's ids, as the device's own do."""
+
+    def __init__(self) -> None:
+        self._open: int | None = None  # the index of the call being written
+        self._arguments = False  # it has some
+
+    def text(self, content: str, calls: Sequence[dict[str, Any]], *, final: bool) -> str:
+        """The text for one delta's content and tool-call fragments; `final` closes an open call."""
+        out = self._close() + content if content else ""
+        for call in calls:
+            function = call.get("function") or {}
+            index = int(call.get("index", 0))
+            if index != self._open:
+                out += self._close() + tool_call_frame(str(function.get("name") or ""))[0]
+                self._open = index
+            arguments = str(function.get("arguments") or "")
+            self._arguments = self._arguments or bool(arguments.strip())
+            out += arguments
+        return out + (self._close() if final else "")
+
+    def _close(self) -> str:
+        if self._open is None:
+            return ""
+        text = ("" if self._arguments else "{}") + tool_call_frame("")[1]
+        self._open, self._arguments = None, False
+        return text
+
+
+def _logprobs(kind: Literal["chat", "completion"], data: Any) -> list[TokenLogprobs]:
+    """The tokens a chunk's `logprobs` lists (chat's or completions' form) in this agent's terms; the
+    ids are no ids of ours (UPSTREAM_TOKEN)."""
+    if not data:
+        return []
+    if kind == "chat":
+        return [
+            TokenLogprobs(_logprob(e), tuple(_logprob(t) for t in e.get("top_logprobs") or ()))
+            for e in data.get("content") or ()
+        ]
+    tops = data.get("top_logprobs") or []
+    return [
+        TokenLogprobs(
+            Logprob(UPSTREAM_TOKEN, str(token).encode(), float(value)),
+            tuple(
+                Logprob(UPSTREAM_TOKEN, t.encode(), float(v))
+                for t, v in (tops[i] if i < len(tops) else {}).items()
+            ),
+        )
+        for i, (token, value) in enumerate(zip(data["tokens"], data["token_logprobs"], strict=True))
+    ]
+
+
+def _logprob(entry: dict[str, Any]) -> Logprob:
+    raw = entry.get("bytes")
+    token = bytes(raw) if raw is not None else str(entry["token"]).encode()
+    return Logprob(UPSTREAM_TOKEN, token, float(entry["logprob"]))
+
+
 class UpstreamGeneration:
     """An upstream answer as a Generation: its SSE chunks as token events."""
 
@@ -139,6 +206,7 @@ class UpstreamGeneration:
         self._scrub = scrub
         self._lines = response.aiter_lines()
         self._head: list[TokenEvent] = []
+        self._calls = _ToolCallText()
         self._usage: tuple[int, int] | None = None
         self._finished = False  # a chunk with a finish_reason came
         self._done = False
@@ -157,29 +225,27 @@ class UpstreamGeneration:
         """Read up to the first token (or the end); raises UpstreamFailure("malformed") for anything
         that is not an OpenAI stream, and UpstreamFailure("status") for an error event."""
         while not self._head and not self._done:
-            event = await self._next()
-            if event is not None:
-                self._head.append(event)
+            self._head = await self._next()
 
-    async def _next(self) -> TokenEvent | None:
-        """The next token event, None for a chunk without one; sets _done at the end."""
+    async def _next(self) -> list[TokenEvent]:
+        """The next chunk's token events (none for a chunk without a token); sets _done at the end."""
         while True:
             try:
                 line = await self._lines.__anext__()
             except StopAsyncIteration:
                 if self._finished:  # some servers close after the last chunk without [DONE]
                     self._done = True
-                    return None
+                    return []
                 raise UpstreamFailure("malformed", "the upstream's stream ended without [DONE]") from None
             if not line.startswith("data:"):
                 continue  # blank lines between events, comments (":"), event names
             data = line[5:].strip()
             if data == "[DONE]":
                 self._done = True
-                return None
+                return []
             return self._parse(data)
 
-    def _parse(self, data: str) -> TokenEvent | None:
+    def _parse(self, data: str) -> list[TokenEvent]:
         try:
             chunk = json.loads(data)
         except ValueError:
@@ -197,16 +263,28 @@ class UpstreamGeneration:
                 self._usage = (int(usage["prompt_tokens"]), int(usage["completion_tokens"]))
             choices = chunk["choices"]
             if not choices:
-                return None
+                return []
             choice = choices[0]
-            text = choice["delta"].get("content") if self._kind == "chat" else choice["text"]
             finish = choice.get("finish_reason")
+            if self._kind == "chat":
+                delta = choice["delta"]
+                content = str(delta.get("content") or "")
+                text = self._calls.text(content, delta.get("tool_calls") or (), final=finish is not None)
+            else:
+                text = str(choice["text"] or "")
+            logprobs = _logprobs(self._kind, choice.get("logprobs"))
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             raise UpstreamFailure("malformed", "the upstream sent a chunk not shaped like OpenAI's") from None
         self._finished = self._finished or finish is not None
-        if not text and finish is None:
-            return None  # the role chunk
-        return TokenEvent(UPSTREAM_TOKEN if text else None, str(text or ""), finish)
+        if not text and finish is None and not logprobs:
+            return []  # the role chunk
+        # One event per token the chunk's logprobs list (a chunk may hold several): the chunk's text
+        # on the first, its finish reason on the last.
+        events = [TokenEvent(UPSTREAM_TOKEN, "", None, lp) for lp in logprobs]
+        events = events or [TokenEvent(UPSTREAM_TOKEN if text else None, "")]
+        events[0] = dataclasses.replace(events[0], text=text)
+        events[-1] = dataclasses.replace(events[-1], finish_reason=finish)
+        return events
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """See Generation.events; an upstream failing mid-answer ends it with ApiError 502."""
@@ -216,14 +294,14 @@ class UpstreamGeneration:
             self._head = []
             while not self._done:
                 try:
-                    event = await self._next()
+                    events = await self._next()
                 except (UpstreamFailure, httpx.HTTPError, httpx.StreamError) as exc:
                     if self._cancelled:
                         raise Cancelled() from None
                     detail = exc.message if isinstance(exc, UpstreamFailure) else f"connection failed: {exc}"
                     message = self._scrub(f"the upstream failed mid-answer: {detail}")
                     raise ApiError(502, message, type_="server_error", code="upstream_error") from None
-                if event is not None:
+                for event in events:
                     yield event
         finally:
             await self._response.aclose()

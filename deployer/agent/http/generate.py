@@ -55,10 +55,12 @@ class Job:
     messages: tuple[ChatMessage, ...] | None
     text: str | None
     plan: Callable[[int, EngineInfo], SamplingParams]
-    request: ChatCompletionRequest | CompletionRequest | None = None  # as the client sent it
+    request: ChatCompletionRequest | CompletionRequest  # as the client sent it
     fallback: bool = True  # False: the device's own model answers (`x-sits-fallback: off`)
     tools: tuple[dict, ...] | None = None
     suffix: str | None = None
+    # Choices after a request's first: who answered the first, so that one model answers them all.
+    answerer: ServedBy | None = None
 
     def prompt_chars(self) -> int:
         """The prompt's length in characters (what a load estimate has before tokenizing)."""

@@ -608,7 +608,9 @@ class _Run:
                 if index == 0:
                     generation = self._generations[0]
                 else:
-                    generation = await _start(self._server, self._jobs[index], self._gone)
+                    # The first choice's answerer answers this one too: one model per answer.
+                    job = dataclasses.replace(self._jobs[index], answerer=self.served_by)
+                    generation = await _start(self._server, job, self._gone)
                     self._generations.append(generation)
                     if self._cancelled:
                         generation.cancel()
