@@ -9,7 +9,9 @@ and never fought over. Its loop, between two decode steps:
    consumer stopped reading for longer than `stall_timeout_s`, or that waited longer than
    `queue_timeout_s` for a slot; their slots are released;
 3. admits waiting requests into free slots (prefill: the first token);
-4. advances every running request by one token with a single `engine.step`.
+4. advances the running requests by one token with a single `engine.step`: all of them, or as many
+   as `engine.step_group` says are cheaper to step apart (those whose last token is oldest), so a
+   round of steps advances each once and a new request waits for one small step, not a whole round.
 
 A request's events travel to its consumer through a bounded buffer. A full buffer pauses that request
 (it sits out the steps, the others go on) until its consumer reads again or the stall deadline drops
@@ -130,6 +132,7 @@ class _Request:
         # Engine-thread state while running: the slot, and the text of the ids fed in one at a time
         # (a generator: nothing runs before the first token is fed).
         self.slot = -1
+        self.stepped = 0  # the scheduler's step count when this request got its last token
         self.feed = _Feed()
         self.events = token_events(
             self.feed,
@@ -340,6 +343,7 @@ class Scheduler:
         self._waiting: deque[_Request] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._running: dict[int, _Request] = {}
+        self._steps = 0  # engine steps run so far
         self._closing = False
         self._final: Callable[[], None] | None = None
         self._stopped = False  # the loop has ended: run() would never be answered
@@ -477,7 +481,7 @@ class Scheduler:
             self._prefill(request)
         runnable = [r for r in runnable if self._running.get(r.slot) is r and not r.cancelled]
         if runnable:
-            self._step(runnable)
+            self._step(self._next_group(runnable))
         if expired or admitted or dropped or runnable or cancelled_waiting:
             self._report()
         return True
@@ -545,22 +549,33 @@ class Scheduler:
             self._release(request)
             request.push(exc)
             return
+        request.stepped = self._steps
         self._deliver(request, event)
 
-    def _step(self, runnable: list[_Request]) -> None:
+    def _next_group(self, runnable: list[_Request]) -> list[_Request]:
+        """The requests the next step advances: `engine.step_group` of them, those whose last token
+        is oldest first (all of them by default)."""
+        size = self.engine.step_group(len(runnable))
+        if size >= len(runnable):
+            return runnable
+        return sorted(runnable, key=lambda r: r.stepped)[: max(1, size)]
+
+    def _step(self, group: list[_Request]) -> None:
         engine = self.engine
         try:
-            tokens = engine.step([r.slot for r in runnable])
+            tokens = engine.step([r.slot for r in group])
             events = []
-            for request, token in zip(runnable, tokens, strict=True):
+            for request, token in zip(group, tokens, strict=True):
                 request.feed.token = token
                 events.append(next(request.events))
         except Exception as exc:
-            for request in runnable:
+            for request in group:
                 self._release(request)
                 request.push(exc)
             return
-        for request, event in zip(runnable, events, strict=True):
+        self._steps += 1
+        for request, event in zip(group, events, strict=True):
+            request.stepped = self._steps
             self._deliver(request, event)
 
     def _deliver(self, request: _Request, event: TokenEvent) -> None:

@@ -202,6 +202,12 @@ class Engine(abc.ABC):
         """One decode step for each of `slots` (each continues from its last token); the next token
         id of each, in the same order."""
 
+    def step_group(self, running: int) -> int:
+        """How many of `running` sequences the next `step` should advance, 1 to `running`; the
+        scheduler steps the others next, longest waiting first, so each advances once per round.
+        By default all of them: one batched step costs less than several smaller ones."""
+        return running
+
     @abc.abstractmethod
     def release(self, slot: int) -> None:
         """End the sequence in `slot`; the slot may be prefilled again (its prefix kept for reuse)."""
