@@ -93,6 +93,31 @@ def test_a_prompt_that_extends_what_a_slot_holds_gives_the_same_answer(tiny_gguf
     assert _alone(engine, first + second, GREEDY, 12) == fresh
 
 
+def test_a_prompt_starts_from_another_slots_cache_and_answers_the_same(tiny_gguf_dir):
+    rng = random.Random(1)
+    shared = [rng.randrange(3, TINY_VOCAB) for _ in range(40)]  # a system prompt, say
+    first, second = [*shared, 5, 6, 7], [*shared, 8, 9]
+    baseline = _engine(tiny_gguf_dir)
+    expected = [_alone(baseline, p, GREEDY, 12) for p in (first, second)]
+    engine = _engine(tiny_gguf_dir)
+    batch, decoded = engine._loaded.batch, []
+    real_fill = batch._fill
+
+    def fill_spy(entries, logits_last=False):  # records how many tokens each decode takes
+        decoded.append(len(entries))
+        real_fill(entries, logits_last)
+
+    batch._fill = fill_spy
+    got = {0: [engine.prefill(0, first, GREEDY)]}
+    got[0] += engine.step([0])
+    got[1] = [engine.prefill(1, second, GREEDY)]  # slot 0 runs, its cache starts with `shared`
+    assert decoded[-1] == 2  # only [8, 9]: the 40 shared tokens were copied from slot 0
+    while running := [s for s in got if len(got[s]) < 12]:
+        for s, token in zip(running, engine.step(running), strict=True):
+            got[s].append(token)
+    assert [got[0], got[1]] == expected
+
+
 def test_a_prompt_goes_to_the_free_slot_that_holds_most_of_it(tiny_gguf_dir):
     engine = _engine(tiny_gguf_dir, slots=3)
     first, second = _random_prompts()[:2]
