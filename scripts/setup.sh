@@ -56,6 +56,11 @@ install_venv() {
         # The llama.cpp engine's extra compiles llama.cpp once: 5-10 minutes on 2 idle cores
         # without a line of output from pip, then pip's wheel cache makes it instant.
         # SITS_NO_LLAMACPP=1 leaves it out.
+        # GGML_NATIVE=OFF: a wheelhouse for devices is made with `pip wheel`, whose cache may hand
+        # it this build, and a device may lack this CPU's extensions. Measured on 2 AVX-512 cores
+        # (SmolLM2 Q8_0), neither NATIVE=ON nor LLAMAFILE=OFF makes a batched step cheap (the
+        # engine measures its steps instead: engines/llamacpp_batch.py); LLAMAFILE=OFF also makes
+        # prefill 1.5x slower.
         if [ "${SITS_NO_LLAMACPP:-0}" != 1 ]; then
             if "$VENV/bin/python" -c 'import llama_cpp' 2>/dev/null; then
                 log "llama-cpp-python is installed already"

@@ -11,9 +11,12 @@ and never fought over. Its loop, between two decode steps:
    consumer stopped reading for longer than `stall_timeout_s`, or that waited longer than
    `queue_timeout_s` for a slot; their slots are released;
 3. admits waiting requests into free slots (prefill: the first token);
-4. advances every running request by one token with a single `engine.step`. A request that fails
-   on its own in a step (its grammar allows no token, its slot is full) ends with its error; the
-   others get their tokens as without it. Only a failure of the step itself ends them all.
+4. advances the running requests by one token with a single `engine.step`: all of them, or as many
+   as `engine.step_group` says are cheaper to step apart (those whose last token is oldest), so a
+   round of steps advances each once and a new request waits for one small step, not a whole round.
+   A request that fails on its own in a step (its grammar allows no token, its slot is full) ends
+   with its error; the others get their tokens as without it. Only a failure of the step itself
+   ends them all.
 
 A request's events travel to its consumer through a bounded buffer. A full buffer pauses that request
 (it sits out the steps, the others go on) until its consumer reads again or the stall deadline drops
@@ -134,6 +137,7 @@ class _Request:
         # Engine-thread state while running: the slot, and the text of the ids fed in one at a time
         # (a generator: nothing runs before the first token is fed).
         self.slot = -1
+        self.stepped = 0  # the scheduler's step count when this request got its last token
         self.feed = _Feed()
         self.events = token_events(
             self.feed,
@@ -345,6 +349,7 @@ class Scheduler:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._pieces: deque[tuple[Generator[None, None, Any], Future]] = deque()
         self._running: dict[int, _Request] = {}
+        self._steps = 0  # engine steps run so far
         self._closing = False
         self._final: Callable[[], None] | None = None
         self._stopped = False  # the loop has ended: run() would never be answered
@@ -501,7 +506,7 @@ class Scheduler:
             self._prefill(request)
         runnable = [r for r in runnable if self._running.get(r.slot) is r and not r.cancelled]
         if runnable:
-            self._step(runnable)
+            self._step(self._next_group(runnable))
         if expired or admitted or dropped or runnable or cancelled_waiting:
             self._report()
         return True
@@ -588,21 +593,32 @@ class Scheduler:
         except Exception as exc:
             self._fail(request, exc)
             return
+        request.stepped = self._steps
         self._advance(request, token)
 
-    def _step(self, runnable: list[_Request]) -> None:
+    def _next_group(self, runnable: list[_Request]) -> list[_Request]:
+        """The requests the next step advances: `engine.step_group` of them, those whose last token
+        is oldest first (all of them by default)."""
+        size = self.engine.step_group(len(runnable))
+        if size >= len(runnable):
+            return runnable
+        return sorted(runnable, key=lambda r: r.stepped)[: max(1, size)]
+
+    def _step(self, group: list[_Request]) -> None:
         try:
-            results = self.engine.step([r.slot for r in runnable])
+            results = self.engine.step([r.slot for r in group])
         except Exception as exc:  # the step itself failed (its forward pass): every request in it
-            for request in runnable:
+            for request in group:
                 self._fail(request, exc)
             return
+        self._steps += 1
         # A request that failed on its own (its grammar, its slot) ends alone: the engine gave the
         # others their tokens as if it had not been in the batch.
-        for request, result in zip(runnable, results, strict=True):
+        for request, result in zip(group, results, strict=True):
             if isinstance(result, Exception):
                 self._fail(request, result)
             else:
+                request.stepped = self._steps
                 self._advance(request, result)
 
     def _advance(self, request: _Request, token: int) -> None:

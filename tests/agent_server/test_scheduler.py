@@ -34,9 +34,12 @@ LONG = SamplingParams(max_tokens=200, temperature=0.0)
 PROMPTS = ([5, 17, 33, 101, 7, 250], [9, 9, 40, 300, 12], [77, 3, 180, 64, 200, 15, 6], [150, 151, 152])
 
 
-def _scheduler(engine_name: str, directory: Path, slots: int = 4, **limits: object) -> Scheduler:
+def _scheduler(
+    engine_name: str, directory: Path, slots: int = 4, wrap: Callable | None = None, **limits: object
+) -> Scheduler:
     engine = make_engine(engine_name, context_length=256, threads=1, slots=slots)
-    scheduler = Scheduler(engine, SchedulerLimits(**{"batch_size": slots, **limits}))
+    served = wrap(engine) if wrap else engine
+    scheduler = Scheduler(served, SchedulerLimits(**{"batch_size": slots, **limits}))
     scheduler.run(lambda: engine.load(directory))  # on the engine thread, as the model manager does
     return scheduler
 
@@ -48,14 +51,14 @@ def _stop(scheduler: Scheduler) -> None:
 
 @pytest.fixture(params=[pytest.param("llama.cpp", marks=needs_llama_cpp), "torch"])
 def make(request, tiny_model_dir):
-    """`make(slots=4, **limits)`: schedulers on the tiny model of the engine the test runs with;
-    closed and unloaded at teardown."""
+    """`make(slots=4, wrap=None, **limits)`: schedulers on the tiny model of the engine the test runs
+    with (served through `wrap(engine)` when given); closed and unloaded at teardown."""
     name = request.param
     directory = request.getfixturevalue("tiny_gguf_dir") if name == "llama.cpp" else tiny_model_dir
     made = []
 
-    def start(slots: int = 4, **limits: object) -> Scheduler:
-        made.append(_scheduler(name, directory, slots, **limits))
+    def start(slots: int = 4, wrap: Callable | None = None, **limits: object) -> Scheduler:
+        made.append(_scheduler(name, directory, slots, wrap, **limits))
         return made[-1]
 
     yield start
@@ -130,6 +133,56 @@ def test_work_in_pieces_runs_a_piece_between_two_decode_steps(make):
     assert all(b - a > 1 for a, b in itertools.pairwise(pieces)), log
     for generation in generations:
         generation.cancel()
+
+
+class OneAtATime:
+    """A real engine that asks to be stepped one sequence at a time (as the llama.cpp engine does
+    where a batch of a few costs more than as many single steps), recording its calls; its steps
+    wait while `go` is clear."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+        self.go = threading.Event()
+        self.go.set()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def step_group(self, running: int) -> int:
+        return 1
+
+    def prefill(self, slot, prompt, params):
+        self.calls.append(("prefill", (slot,)))
+        return self._engine.prefill(slot, prompt, params)
+
+    def step(self, slots):
+        assert self.go.wait(60), "the test never let the engine go on"
+        self.calls.append(("step", tuple(slots)))
+        return self._engine.step(slots)
+
+    def release(self, slot):
+        self.calls.append(("release", (slot,)))
+        return self._engine.release(slot)
+
+
+def test_an_engine_stepped_in_groups_advances_each_request_once_per_round(make):
+    scheduler = make(wrap=OneAtATime)
+    alone = [_tokens(scheduler.submit(p, GREEDY)) for p in PROMPTS]
+    engine = scheduler.engine
+    calls = engine.calls
+    calls.clear()
+    engine.go.clear()  # no request runs ahead before all four are in
+    generations = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+    engine.go.set()
+    assert [_tokens(g) for g in generations] == alone  # same answers, one sequence per step
+    assert all(len(slots) == 1 for kind, slots in calls if kind == "step")
+    # While all four run, every four consecutive steps advance four different requests.
+    last_prefill = max(i for i, (kind, _) in enumerate(calls) if kind == "prefill")
+    first_release = min(i for i, (kind, _) in enumerate(calls) if kind == "release")
+    together = [slots[0] for _, slots in calls[last_prefill + 1 : first_release]]
+    assert len(together) >= 8
+    assert all(len(set(together[i : i + 4])) == 4 for i in range(len(together) - 3))
 
 
 def test_the_queue_is_bounded_and_a_cancelled_request_frees_its_slot(make, wait_until):

@@ -239,6 +239,12 @@ class Engine(abc.ABC):
         been there. What fails the whole step (slots that are not running, the forward pass itself)
         raises."""
 
+    def step_group(self, running: int) -> int:
+        """How many of `running` sequences the next `step` should advance, 1 to `running`; the
+        scheduler steps the others next, longest waiting first, so each advances once per round.
+        By default all of them: one batched step costs less than several smaller ones."""
+        return running
+
     @abc.abstractmethod
     def release(self, slot: int) -> None:
         """End the sequence in `slot`; the slot may be prefilled again (its prefix kept for reuse)."""

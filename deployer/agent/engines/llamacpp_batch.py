@@ -9,7 +9,17 @@ and a seeded distribution), so one request's seed or settings never touch anothe
 The KV cache is not unified (`kv_unified = false`): each sequence has a stream of its own, laid out
 the same whether it runs alone or beside others, so a greedy answer does not depend on its company.
 A slot remembers the tokens its cache holds; a new prompt that starts with them decodes only the
-rest (`llama_memory_seq_rm` cuts the cache where the two part).
+rest (`llama_memory_seq_rm` cuts the cache where the two part). When another slot, running or not,
+holds a longer prefix of the prompt (the system prompt every client of an app sends), its cache is
+copied over first (`llama_memory_seq_cp`: a memory copy of the stream, against about 3 ms a token to
+decode the prefix again for SmolLM2 on one core).
+
+One decode of k sequences does not always cost less than k decodes of one: on x86 ggml multiplies a
+single token by its vec_dot kernels and two or more by llamafile's tinyBLAS, whose Q8_0 tiles read
+four weight rows at once and, for a model as narrow as SmolLM2 (rows of 576 values), stall on memory:
+a 2-sequence step costs about 4 single ones, 4 and 8 sequences about 5, 16 about 10 (2 AVX2 cores,
+1 thread). `measure_steps` times a step of each batch size once (at warm-up) and `group_size` then
+says how many sequences the next step should take so that a round of steps costs least.
 
 Not thread-safe: the engine calls everything here on its one llama.cpp thread.
 """
@@ -17,8 +27,10 @@ Not thread-safe: the engine calls everything here on its one llama.cpp thread.
 from __future__ import annotations
 
 import ctypes
+import math
 import secrets
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +46,12 @@ from deployer.agent.engines.base import (
 from deployer.agent.engines.logits import TokenProcessor
 from deployer.errors import AgentError
 
-__all__ = ["BatchContext"]
+__all__ = ["BatchContext", "cheapest_group", "measured_sizes"]
+
+_MEASURED_UP_TO = 64  # bigger batches cost about proportionally more on a CPU: extrapolated
+# A slot's cache is copied from another when that saves decoding at least this many prompt tokens
+# (the copy moves the whole stream, context_length positions).
+_SHARE_FROM = 16
 
 
 @dataclass
@@ -80,7 +97,9 @@ class BatchContext:
         self._batch = lib.llama_batch_init(self._n_batch, 0, 1)
         self._slots = [_Slot() for _ in range(slots)]
         self._n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+        self._threads = threads
         self.context_length = lib.llama_n_ctx_seq(ctx)
+        self.step_costs: dict[int, float] = {}  # seconds per step of k sequences, once measured
 
     @property
     def slots(self) -> int:
@@ -111,6 +130,11 @@ class BatchContext:
         if bad := next((t for t in prompt if not 0 <= t < self._n_vocab), None):
             raise AgentError(f"token id {bad} is not in the vocabulary of {self._n_vocab} tokens")
         self._free_sampler(state)
+        donor = self._donor(slot, prompt)
+        if donor is not None:
+            # The whole stream is copied (llama.cpp copies streams only whole); cut below.
+            self._lib.llama_memory_seq_cp(self._memory, donor, slot, -1, -1)
+            state.cached = list(self._slots[donor].cached)
         # Keep the common prefix, but decode at least the prompt's last token: its logits are needed.
         keep = min(common_prefix(state.cached, prompt), len(prompt) - 1)
         if not self._lib.llama_memory_seq_rm(self._memory, slot, keep, -1):
@@ -158,6 +182,39 @@ class BatchContext:
                 self._free_sampler(state)  # the sequence has ended
         return [results[s] for s in slots]
 
+    def measure_steps(self, repeats: int = 3) -> dict[int, float]:
+        """Time one decode step of k sequences for each k of `measured_sizes` (the least of `repeats`
+        after a warm-up), keep the figures in `step_costs` and return them. Call it while no slot runs
+        (at warm-up): it decodes a placeholder token in the slots and clears their caches after."""
+        if any(state.sampler is not None for state in self._slots):
+            raise AgentError("step costs are measured while no slot runs", hint="measure at warm-up")
+        sizes = measured_sizes(len(self._slots))
+        if (repeats + 1) * len(sizes) >= self.context_length:
+            return self.step_costs  # a context this short has no room to measure in: batch all
+        # CPU time of this thread when it computes alone (other processes' load does not count),
+        # wall time when llama.cpp's OpenMP team computes on other threads as well.
+        clock = time.thread_time if self._threads == 1 else time.perf_counter
+        self._clear(sizes[-1])
+        costs = dict.fromkeys(sizes, math.inf)
+        positions = [0] * sizes[-1]
+        for round_ in range(repeats + 1):
+            for k in sizes:
+                self._fill([(0, positions[s], s) for s in range(k)])
+                started = clock()
+                self._decode()
+                if round_:
+                    costs[k] = min(costs[k], clock() - started)
+                positions[:k] = [p + 1 for p in positions[:k]]
+        self._clear(sizes[-1])
+        self.step_costs = costs
+        return costs
+
+    def group_size(self, running: int) -> int:
+        """How many of `running` sequences the next step should decode (the others wait for the
+        following steps): the first group of the cheapest split by `step_costs`; all before they
+        are measured."""
+        return cheapest_group(self.step_costs, running)
+
     def logprobs(self, slot: int) -> TokenLogprobs | None:
         """The log-probabilities of the slot's last sampled token (None unless its request asked)."""
         return self._slot(slot).logprobs
@@ -181,6 +238,25 @@ class BatchContext:
         if not 0 <= slot < len(self._slots):
             raise AgentError(f"slot {slot} does not exist; this context has {len(self._slots)}")
         return self._slots[slot]
+
+    def _donor(self, slot: int, prompt: Sequence[int]) -> int | None:
+        """The other slot whose cache holds the longest prefix of `prompt`, when copying it saves
+        decoding at least _SHARE_FROM tokens more than `slot`'s own cache does; else None."""
+        usable = len(prompt) - 1  # the last prompt token is always decoded
+        own = min(common_prefix(self._slots[slot].cached, prompt), usable)
+        shared = {
+            other: min(common_prefix(state.cached, prompt), usable)
+            for other, state in enumerate(self._slots)
+            if other != slot
+        }
+        best = max(shared, key=lambda other: shared[other], default=None)
+        return best if best is not None and shared[best] - own >= _SHARE_FROM else None
+
+    def _clear(self, slots: int) -> None:
+        """Empty the caches of slots 0 to `slots` - 1."""
+        for slot, state in enumerate(self._slots[:slots]):
+            self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
+            state.cached = []
 
     def _fill(self, entries: list[tuple[int, int, int]], logits_last: bool = False) -> None:
         """Write (token, position, sequence) entries into the batch; logits for every entry, or only
@@ -236,3 +312,37 @@ class BatchContext:
         if state.sampler is not None:
             self._lib.llama_sampler_free(state.sampler)
             state.sampler = None
+
+
+def measured_sizes(slots: int) -> list[int]:
+    """The batch sizes whose step is timed: 1 to 4, then powers of two, and `slots` itself (up to
+    64); the sizes between are interpolated."""
+    sizes = {k for k in (1, 2, 3, 4) if k <= slots} | {slots}
+    sizes |= {2**i for i in range(3, 7) if 2**i < slots}
+    return sorted(k for k in sizes if k <= _MEASURED_UP_TO)
+
+
+def cheapest_group(costs: Mapping[int, float], running: int) -> int:
+    """The size of the first group when `running` sequences are stepped in the groups whose summed
+    cost is least; each group's cost is `costs` at its size, interpolated between measured sizes and
+    proportional beyond the largest. `running` itself when nothing was measured."""
+    if not costs or running <= 1:
+        return max(running, 1)
+    measured = sorted(costs.items())
+
+    def cost(k: int) -> float:
+        below = max((m for m in measured if m[0] <= k), default=measured[0])
+        above = min((m for m in measured if m[0] >= k), default=None)
+        if above is None:
+            return below[1] * k / below[0]
+        if above[0] == below[0]:
+            return below[1]
+        return below[1] + (above[1] - below[1]) * (k - below[0]) / (above[0] - below[0])
+
+    group_cost = [0.0] + [cost(k) for k in range(1, running + 1)]
+    best, first = [0.0] * (running + 1), [0] * (running + 1)
+    for n in range(1, running + 1):
+        # On a tie the bigger group wins (fewer steps, less Python per token).
+        total, negative_k = min((group_cost[k] + best[n - k], -k) for k in range(1, n + 1))
+        best[n], first[n] = total, -negative_k
+    return first[running]

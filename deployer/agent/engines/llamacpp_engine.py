@@ -198,11 +198,13 @@ class LlamaCppEngine(Engine):
         return Vocabulary(lambda: lltokenizer_from_vocab(vocab, n_vocab=n, eos_token=sorted(end_ids)), n)
 
     def warmup(self) -> None:
-        """A short greedy generation, so buffers and threads are ready for the first request."""
+        """A short greedy generation, so buffers and threads are ready for the first request; then
+        the decode step's cost at each batch size is measured (see `step_group`)."""
         loaded = self._require()
         prompt = self.chat_prompt(WARMUP_MESSAGES) if loaded.template else self.encode("Hello")
         for _ in self.stream(prompt, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0)):
             pass
+        _on_llama_thread(loaded.batch.measure_steps)
 
     def unload(self) -> None:
         """Free the batched context and the model; the engine cannot be used afterwards.
@@ -317,6 +319,11 @@ class LlamaCppEngine(Engine):
         processor = self._processor(loaded, params)
         return _on_llama_thread(loaded.batch.prefill, slot, list(prompt), params, processor)
 
+    def step_group(self, running: int) -> int:
+        """See Engine.step_group: from the step costs measured at warm-up (on x86 one decode of 2
+        to about 5 sequences costs more than as many decodes of one; see llamacpp_batch)."""
+        return self._require().batch.group_size(running)
+
     def step(self, slots: Sequence[int]) -> list[int | Exception]:
         """See Engine.step: one llama_decode for all `slots`, on the llama.cpp thread."""
         return _on_llama_thread(self._require().batch.step, list(slots))
@@ -394,6 +401,10 @@ class LlamaCppEngine(Engine):
                 "mmap": "true",
                 "llama_cpp_python": getattr(self._llama_cpp, "__version__", "unknown"),
                 "architecture": loaded.header.string("general.architecture") or "unknown",
+                "step_ms": " ".join(
+                    f"{k}:{seconds * 1000:.1f}" for k, seconds in sorted(loaded.batch.step_costs.items())
+                )
+                or "not measured",
             },
         )
 
