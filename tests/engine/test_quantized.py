@@ -10,6 +10,7 @@ from deployer.agent.engines.qlinear import (
     KERNEL_DEQUANT,
     KERNEL_INT4_CPU,
     KERNEL_INT8,
+    KERNEL_LINEAR,
     LinearWeights,
     build_linear,
 )
@@ -71,6 +72,30 @@ def test_int8_never_tries_the_kernel_where_it_would_crash(odd_model_dir, build, 
     assert engine.layer_kernels["model.layers.0.mlp.down_proj"] == KERNEL_DEQUANT
     assert engine.layer_kernels["model.layers.0.mlp.gate_proj"] == KERNEL_INT8
     assert engine.logits(engine.encode(PROMPT)).isfinite().all()
+
+
+def test_quantized_models_run_an_int8_head_on_a_cpu(tiny_model_dir, build, engine_on):
+    artifact = build(tiny_model_dir, "int4", 32)
+    engine = engine_on(artifact, dtype="auto")
+    float_head = engine_on(artifact, dtype="auto", quantize_head=False)
+    assert engine.layer_kernels["lm_head"] == engine.describe().extra["head"] == KERNEL_INT8
+    assert float_head.layer_kernels["lm_head"] == KERNEL_LINEAR
+    assert engine_on(tiny_model_dir).layer_kernels["lm_head"] == KERNEL_LINEAR  # float models keep theirs
+    ids = engine.encode(PROMPT)
+    got, want = engine.logits(ids), float_head.logits(ids)
+    assert got.dtype == torch.float32
+    assert 0 < _relative_error(got, want) < 0.02
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_bf16_model_attends_in_fp32_on_a_cpu(tiny_model_dir, tiny_engine, engine_on):
+    engine = engine_on(tiny_model_dir, dtype="bf16")
+    extra = engine.describe().extra
+    assert (extra["dtype"], extra["kv_cache"]) == ("bfloat16", "float32")
+    ids = engine.encode(PROMPT)
+    got = engine.logits(ids)
+    assert got.dtype == torch.float32
+    assert _relative_error(got, tiny_engine.logits(ids)) < 0.02
 
 
 def test_layered_artifact_mixes_kernels(tiny_model_dir, build, engine_on):
