@@ -11,7 +11,9 @@ from deployer.agent.engines.qlinear import (
     KERNEL_INT4_CPU,
     KERNEL_INT8,
     KERNEL_LINEAR,
+    KERNEL_ONEDNN,
     LinearWeights,
+    OneDnnLinear,
     build_linear,
 )
 from deployer.build.quantize import quantize_int4, quantize_int8
@@ -80,7 +82,7 @@ def test_quantized_models_run_an_int8_head_on_a_cpu(tiny_model_dir, build, engin
     float_head = engine_on(artifact, dtype="auto", quantize_head=False)
     assert engine.layer_kernels["lm_head"] == engine.describe().extra["head"] == KERNEL_INT8
     assert float_head.layer_kernels["lm_head"] == KERNEL_LINEAR
-    assert engine_on(tiny_model_dir).layer_kernels["lm_head"] == KERNEL_LINEAR  # float models keep theirs
+    assert engine_on(tiny_model_dir).layer_kernels["lm_head"] == KERNEL_ONEDNN  # fp32 models keep theirs
     ids = engine.encode(PROMPT)
     got, want = engine.logits(ids), float_head.logits(ids)
     assert got.dtype == torch.float32
@@ -148,3 +150,18 @@ def test_int4_padding_is_exact():
     x = torch.randn(5, 40)
     want = x @ dequantize_int4(packed, scale, zero, 40).t()
     assert _relative_error(layer(x), want) < 0.02
+
+
+def test_fp32_on_a_cpu_runs_onednn_and_falls_back_to_f_linear(monkeypatch):
+    weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(3, 64)
+    layer, kernel = build_linear("m", LinearWeights(weight, bias), None, torch.device("cpu"), torch.float32)
+    assert kernel == KERNEL_ONEDNN
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+    def missing(self, x):
+        raise RuntimeError("no mkldnn in this build")
+
+    monkeypatch.setattr(OneDnnLinear, "forward", missing)
+    layer, kernel = build_linear("m", LinearWeights(weight, bias), None, torch.device("cpu"), torch.float32)
+    assert kernel == KERNEL_LINEAR
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias))

@@ -21,7 +21,6 @@ from torch import nn
 from deployer.agent.engines.llama import ModelArgs, Transformer, args_from_config
 from deployer.agent.engines.qlinear import (
     KERNEL_DEQUANT,
-    KERNEL_LINEAR,
     FloatLinear,
     LinearWeights,
     build_linear,
@@ -244,17 +243,18 @@ def build_model(
         if config.get("tie_word_embeddings") is False:
             raise FormatError(f"{where}: lm_head.weight is missing and the head is not tied")
         # Tied output head: the embedding matrix serves as the head, not stored twice.
-        model.lm_head = build_linear(
+        model.lm_head, kernels["lm_head"] = build_linear(
             "lm_head", LinearWeights(model.model.embed_tokens.weight), None, dev, compute
-        )[0]
-        kernels["lm_head"] = KERNEL_LINEAR
+        )
     if quantize_head is None:
         quantize_head = dev.type == "cpu" and _integer_quantized(facts)
-    if quantize_head and kernels["lm_head"] == KERNEL_LINEAR:
+    if quantize_head and isinstance(model.lm_head, FloatLinear):
         # From the stored weights (fp16, say), not from their copy in the compute dtype.
         stored = weights.get("lm_head.weight")
         source = weights.require("model.embed_tokens.weight") if stored is None else stored
-        kernels["lm_head"] = _quantize_head(model, source, dev, compute)
+        head = _int8_head(source, model.lm_head.bias, dev, compute)
+        if head is not None:
+            model.lm_head, kernels["lm_head"] = head
     _check_all_used(where, weights, used)
     # On a CPU attention runs in fp32 whatever the model's dtype (see llama.KVCache).
     kv_dtype = torch.float32 if dev.type == "cpu" else compute
@@ -267,26 +267,23 @@ def _integer_quantized(facts: ArtifactFacts) -> bool:
     return any(m.scheme in INTEGER_SCHEMES for m in facts.modules.values())
 
 
-def _quantize_head(model: Transformer, weight: torch.Tensor, device: torch.device, dtype: torch.dtype) -> str:
-    """Swap the float output head for int8 quantized from `weight` (per output row, as the
-    builder's int8) and return its kernel; the float head stays where no int8 kernel takes it.
+def _int8_head(
+    weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype
+) -> tuple[nn.Module, str] | None:
+    """An output head on int8 weights quantized from `weight` (per output row, as the builder's
+    int8), and its kernel; None where no int8 kernel takes it (dequantized it would only be
+    slower than the float head).
 
     Decode reads the whole head every token: SmolLM2's tied 49152x576 matrix is 46% of an int4
     g32 model's bytes in bf16; alone it took 2.1 ms in bf16 and 0.75 ms in int8 (2 threads).
     llama.cpp does the same: the Q4_1 GGUF's output head is Q8_0.
     """
-    head = model.lm_head
-    if not isinstance(head, FloatLinear):
-        return KERNEL_LINEAR
     q, scale = quantize_int8(weight)
     out_features, in_features = q.shape
     layout = ModuleQuant("int8", None, in_features, in_features, out_features)
-    bias = None if head.bias is None else head.bias.detach().float().cpu()
-    layer, kernel = build_linear("lm_head", LinearWeights(q, bias, scale), layout, device, dtype)
-    if kernel == KERNEL_DEQUANT:
-        return KERNEL_LINEAR  # no int8 kernel for this shape: dequantized it would only be worse
-    model.lm_head = layer
-    return kernel
+    stored_bias = None if bias is None else bias.detach().float().cpu()
+    layer, kernel = build_linear("lm_head", LinearWeights(q, stored_bias, scale), layout, device, dtype)
+    return None if kernel == KERNEL_DEQUANT else (layer, kernel)
 
 
 # Projections that read the same input and run as one matmul when their layouts agree.
