@@ -19,7 +19,14 @@ import torch
 
 from deployer.build.spec import QuantSpec
 from deployer.core.manifest import FLOAT_SCHEMES
-from deployer.core.quant_layout import MIN_SCALE, TORCH_DTYPES, ModuleQuant, fp16_scale, quantize_int8
+from deployer.core.quant_layout import (
+    MIN_SCALE,
+    ROW_CHUNK,
+    TORCH_DTYPES,
+    ModuleQuant,
+    fp16_scale,
+    quantize_int8,
+)
 from deployer.errors import BuildError
 
 FLOAT_DTYPES: dict[str, tuple[str, torch.dtype]] = {
@@ -29,8 +36,6 @@ FLOAT_DTYPES: dict[str, tuple[str, torch.dtype]] = {
 }
 # The head and embeddings stay in a float dtype: this one unless an override names another.
 DEFAULT_HEAD_SCHEME = "fp16"
-# Rows quantized at once: bounds the temporaries of the clip search for large matrices.
-_ROW_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     packed = torch.empty(out_features, in_padded // 2, dtype=torch.uint8)
     scale = torch.empty(out_features, in_padded // group_size, dtype=torch.float16)
     zero = torch.empty(out_features, in_padded // group_size, dtype=torch.uint8)
-    for rows in range(0, out_features, _ROW_CHUNK):
-        chunk = slice(rows, rows + _ROW_CHUNK)
+    for rows in range(0, out_features, ROW_CHUNK):
+        chunk = slice(rows, rows + ROW_CHUNK)
         w = torch.nn.functional.pad(weight[chunk].float(), (0, in_padded - in_features))
         q, scale[chunk], zero[chunk] = _int4_groups(w.reshape(w.shape[0], -1, group_size))
         q = q.reshape(w.shape[0], in_padded)

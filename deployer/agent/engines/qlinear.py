@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deployer.core.manifest import INTEGER_SCHEMES
-from deployer.core.quant_layout import ModuleQuant, dequantize_int4, dequantize_int8
+from deployer.core.quant_layout import ROW_CHUNK, ModuleQuant, dequantize_int4, dequantize_int8
 from deployer.errors import FormatError
 
 KERNEL_LINEAR = "linear"
@@ -58,10 +58,8 @@ def _need(t: torch.Tensor | None, what: str) -> torch.Tensor:
     return t
 
 
-def dequantize(name: str, w: LinearWeights, layout: ModuleQuant | None) -> torch.Tensor:
+def _dequantized(w: LinearWeights, layout: ModuleQuant | None) -> torch.Tensor:
     """The fp32 weight [out, in] that the stored tensors stand for (artifact-format.md)."""
-    if layout is not None:
-        check_shapes(name, w, layout)
     if layout is None or layout.scheme not in INTEGER_SCHEMES:
         return w.weight.float()
     if layout.scheme == "int8":
@@ -263,15 +261,16 @@ def build_linear(
         weight, bias = w.weight.to(device, dtype), _maybe(w.bias, device, dtype)
         if device.type == "cpu" and dtype == torch.float32:
             onednn = _try(lambda: OneDnnLinear(weight, bias))
-            if onednn is not None and _agrees(onednn, weight, device, dtype):
+            if onednn is not None and _agrees(onednn, *_probe(w, None), device, dtype):
                 return onednn, KERNEL_ONEDNN
         return FloatLinear(weight, bias), KERNEL_LINEAR
-    reference = dequantize(name, w, layout)
+    check_shapes(name, w, layout)
+    probe = _probe(w, layout)
     for kernel, make in _candidates(w, layout, device, dtype):
         layer = _try(make)
-        if layer is not None and _agrees(layer, reference, device, dtype):
+        if layer is not None and _agrees(layer, *probe, device, dtype):
             return layer, kernel
-    weight = reference.to(device, dtype)
+    weight = _dequantized(w, layout).to(device, dtype)
     return FloatLinear(weight, _maybe(w.bias, device, dtype)), KERNEL_DEQUANT
 
 
@@ -301,10 +300,24 @@ def _try(make: Callable[[], nn.Module]) -> nn.Module | None:
 
 
 @torch.inference_mode()
-def _agrees(layer: nn.Module, reference: torch.Tensor, device: torch.device, dtype: torch.dtype) -> bool:
+def _probe(w: LinearWeights, layout: ModuleQuant | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A probe input x [3, in] (odd M: some kernels tile by 2) and x @ W.T for the weights W the
+    stored tensors stand for, dequantized a chunk of rows at a time: a whole 49152-row head in
+    fp32 would add about 250 MB to the agent's peak memory at load."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, reference.shape[1], generator=gen)  # odd M: some kernels tile by 2
-    expected = (x.to(reference.device) @ reference.t()).cpu()
+    x = torch.randn(3, layout.in_features if layout else w.weight.shape[1], generator=gen)
+    parts = []
+    for start in range(0, w.weight.shape[0], ROW_CHUNK):
+        rows = slice(start, start + ROW_CHUNK)
+        scale, zero = (None if t is None else t[rows] for t in (w.scale, w.zero))
+        parts.append(x @ _dequantized(LinearWeights(w.weight[rows], None, scale, zero), layout).t())
+    return x, torch.cat(parts, dim=1)
+
+
+@torch.inference_mode()
+def _agrees(
+    layer: nn.Module, x: torch.Tensor, expected: torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> bool:
     try:
         got = layer(x.to(device, dtype)).float().cpu()
     except Exception:  # a kernel that fails to build or run here (triton raises its own kinds)
