@@ -52,7 +52,10 @@ class RefBlock(nn.Module):
         """x [B, T, D] at positions input_pos [T] (the same for every sequence)."""
         b, t, _ = x.shape
         h = self.ln1(x)
-        q, k, v = self.attn._qkv(h)
+        q, k, v = (
+            part.transpose(1, 2)
+            for part in self.attn._heads(h).split((self.n_heads, self.n_kv, self.n_kv), dim=2)
+        )
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         self.k_cache.index_copy_(2, input_pos, k)

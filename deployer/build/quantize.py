@@ -19,7 +19,14 @@ import torch
 
 from deployer.build.spec import QuantSpec
 from deployer.core.manifest import FLOAT_SCHEMES
-from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant
+from deployer.core.quant_layout import (
+    MIN_SCALE,
+    ROW_CHUNK,
+    TORCH_DTYPES,
+    ModuleQuant,
+    fp16_scale,
+    quantize_int8,
+)
 from deployer.errors import BuildError
 
 FLOAT_DTYPES: dict[str, tuple[str, torch.dtype]] = {
@@ -29,10 +36,6 @@ FLOAT_DTYPES: dict[str, tuple[str, torch.dtype]] = {
 }
 # The head and embeddings stay in a float dtype: this one unless an override names another.
 DEFAULT_HEAD_SCHEME = "fp16"
-# Rows quantized at once: bounds the temporaries of the clip search for large matrices.
-_ROW_CHUNK = 1024
-# Smallest positive fp16 (subnormal): a scale never rounds to zero, so q = w / scale is finite.
-_MIN_SCALE = 2.0**-24
 
 
 @dataclass(frozen=True)
@@ -128,14 +131,6 @@ def quantize_tensor(plan: TensorPlan, weight: torch.Tensor) -> dict[str, torch.T
     return result
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (q int8 [out, in], scale fp16 [out])."""
-    w = weight.float()
-    scale = _fp16_scale(w.abs().amax(dim=1) / 127.0)
-    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale
-
-
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise int4: (packed uint8 [out, in_p/2], scale fp16 [out, in_p/g],
     zero uint8 [out, in_p/g]).
@@ -148,8 +143,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     packed = torch.empty(out_features, in_padded // 2, dtype=torch.uint8)
     scale = torch.empty(out_features, in_padded // group_size, dtype=torch.float16)
     zero = torch.empty(out_features, in_padded // group_size, dtype=torch.uint8)
-    for rows in range(0, out_features, _ROW_CHUNK):
-        chunk = slice(rows, rows + _ROW_CHUNK)
+    for rows in range(0, out_features, ROW_CHUNK):
+        chunk = slice(rows, rows + ROW_CHUNK)
         w = torch.nn.functional.pad(weight[chunk].float(), (0, in_padded - in_features))
         q, scale[chunk], zero[chunk] = _int4_groups(w.reshape(w.shape[0], -1, group_size))
         q = q.reshape(w.shape[0], in_padded)
@@ -165,17 +160,11 @@ def _int4_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     """
     low = groups.amin(dim=-1).clamp(max=0.0)
     high = groups.amax(dim=-1).clamp(min=0.0)
-    zero = torch.round(-low / ((high - low) / 15.0).clamp(min=_MIN_SCALE)).clamp_(0, 15)
+    zero = torch.round(-low / ((high - low) / 15.0).clamp(min=MIN_SCALE)).clamp_(0, 15)
     fit_high = torch.where(zero < 15, high / (15.0 - zero), torch.zeros_like(high))
     fit_low = torch.where(zero > 0, -low / zero.clamp(min=1.0), torch.zeros_like(low))
     # Round up to the next fp16 so the stored scale still fits the range.
-    scale = _fp16_scale(torch.maximum(fit_high, fit_low) * (1.0 + 2.0**-10))
+    scale = fp16_scale(torch.maximum(fit_high, fit_low) * (1.0 + 2.0**-10))
     s = scale.float()
     q = (torch.round(groups / s[..., None]) + zero[..., None]).clamp_(0, 15)
     return q.to(torch.uint8), scale, zero.to(torch.uint8)
-
-
-def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
-    """Round scales to fp16 (what is stored), never to zero: all-zero rows get scale 1."""
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return scale.clamp(min=_MIN_SCALE).to(torch.float16)

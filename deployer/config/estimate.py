@@ -118,7 +118,10 @@ def _bytes_per_param(quantization: Quantization, module: str) -> float:
 
 def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -> MemoryEstimate:
     """The memory a device needs for ``model`` served with ``agent``'s settings."""
-    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2  # K and V, fp16
+    # K and V per token: fp16 in llama.cpp; fp32 in the torch engine on a CPU, where its attention
+    # is fastest in fp32 (half that on CUDA, so this errs on the safe side).
+    kv_value_bytes = 4 if agent.engine == "torch" else 2
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * kv_value_bytes
     return MemoryEstimate(
         params=shape.params,
         weights=weight_bytes(shape, model.quantization),

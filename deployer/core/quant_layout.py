@@ -1,5 +1,6 @@
 """How quantized weights are stored in an artifact (docs/artifact-format.md), and how to read
-them back to fp32: what the builder writes and the device agent reads.
+them back to fp32: what the builder writes and the device agent reads. int8 quantization itself
+lives here too, because the agent also uses it (an int8 output head, see the torch loader).
 
 * int8: symmetric, one fp16 scale per output channel; ``w = q * scale``.
 * int4: asymmetric, per group of `g` input columns, fp16 scale and uint8 zero point (0..15);
@@ -25,6 +26,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
 }
+# Smallest positive fp16 (subnormal): a scale never rounds to zero, so q = w / scale is finite.
+MIN_SCALE = 2.0**-24
+# Rows quantized at once: bounds the fp32 temporaries for large matrices.
+ROW_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,29 @@ class ModuleQuant:
             "in_padded": self.in_padded,
             "out": self.out_features,
         }
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q int8 [out, in], scale fp16 [out]).
+
+    The builder stores int8 modules this way; the torch engine also derives an int8 output head
+    from a float one with it (loader).
+    """
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float16)
+    # In chunks of rows: fp32 temporaries of a whole 49152x576 head would add about 250 MB to the
+    # agent's peak memory at load.
+    for rows in range(0, weight.shape[0], ROW_CHUNK):
+        w = weight[rows : rows + ROW_CHUNK].float()
+        scale[rows : rows + ROW_CHUNK] = chunk_scale = fp16_scale(w.abs().amax(dim=1) / 127.0)
+        q[rows : rows + ROW_CHUNK] = torch.round(w / chunk_scale.float()[:, None]).clamp_(-127, 127)
+    return q, scale
+
+
+def fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Round scales to fp16 (what is stored), never to zero: all-zero rows get scale 1."""
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale.clamp(min=MIN_SCALE).to(torch.float16)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

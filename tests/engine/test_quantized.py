@@ -10,7 +10,10 @@ from deployer.agent.engines.qlinear import (
     KERNEL_DEQUANT,
     KERNEL_INT4_CPU,
     KERNEL_INT8,
+    KERNEL_LINEAR,
+    KERNEL_ONEDNN,
     LinearWeights,
+    OneDnnLinear,
     build_linear,
 )
 from deployer.build.quantize import quantize_int4, quantize_int8
@@ -73,6 +76,30 @@ def test_int8_never_tries_the_kernel_where_it_would_crash(odd_model_dir, build, 
     assert engine.logits(engine.encode(PROMPT)).isfinite().all()
 
 
+def test_quantized_models_run_an_int8_head_on_a_cpu(tiny_model_dir, build, engine_on):
+    artifact = build(tiny_model_dir, "int4", 32)
+    engine = engine_on(artifact, dtype="auto")
+    float_head = engine_on(artifact, dtype="auto", quantize_head=False)
+    assert engine.layer_kernels["lm_head"] == engine.describe().extra["head"] == KERNEL_INT8
+    assert float_head.layer_kernels["lm_head"] == KERNEL_LINEAR
+    assert engine_on(tiny_model_dir).layer_kernels["lm_head"] == KERNEL_ONEDNN  # fp32 models keep theirs
+    ids = engine.encode(PROMPT)
+    got, want = engine.logits(ids), float_head.logits(ids)
+    assert got.dtype == torch.float32
+    assert 0 < _relative_error(got, want) < 0.02
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_bf16_model_attends_in_fp32_on_a_cpu(tiny_model_dir, tiny_engine, engine_on):
+    engine = engine_on(tiny_model_dir, dtype="bf16")
+    extra = engine.describe().extra
+    assert (extra["dtype"], extra["kv_cache"]) == ("bfloat16", "float32")
+    ids = engine.encode(PROMPT)
+    got = engine.logits(ids)
+    assert got.dtype == torch.float32
+    assert _relative_error(got, tiny_engine.logits(ids)) < 0.02
+
+
 def test_layered_artifact_mixes_kernels(tiny_model_dir, build, engine_on):
     engine = engine_on(build(tiny_model_dir, "layered"), dtype="auto")
     kernels = engine.layer_kernels
@@ -123,3 +150,18 @@ def test_int4_padding_is_exact():
     x = torch.randn(5, 40)
     want = x @ dequantize_int4(packed, scale, zero, 40).t()
     assert _relative_error(layer(x), want) < 0.02
+
+
+def test_fp32_on_a_cpu_runs_onednn_and_falls_back_to_f_linear(monkeypatch):
+    weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(3, 64)
+    layer, kernel = build_linear("m", LinearWeights(weight, bias), None, torch.device("cpu"), torch.float32)
+    assert kernel == KERNEL_ONEDNN
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+    def missing(self, x):
+        raise RuntimeError("no mkldnn in this build")
+
+    monkeypatch.setattr(OneDnnLinear, "forward", missing)
+    layer, kernel = build_linear("m", LinearWeights(weight, bias), None, torch.device("cpu"), torch.float32)
+    assert kernel == KERNEL_LINEAR
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias))

@@ -2,7 +2,8 @@
 
 The artifact stores int8 (per output channel) and int4 (group-wise, asymmetric) weights in one
 layout for every device (docs/artifact-format.md); this module derives the packing the device's
-kernels want. For each layer the candidates are tried in order — the fused aten kernel for this
+kernels want (and fp32 weights on a CPU run oneDNN's linear, see OneDnnLinear). For each
+layer the candidates are tried in order — the fused aten kernel for this
 device first, dequantize-once + `F.linear` last — and a candidate is kept only if it runs and
 agrees with the dequantized reference on a probe input. So an unsupported shape, a missing
 kernel or a packing convention that differs on some device falls back instead of giving wrong
@@ -19,10 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from deployer.core.manifest import INTEGER_SCHEMES
-from deployer.core.quant_layout import ModuleQuant, dequantize_int4, dequantize_int8
+from deployer.core.quant_layout import ROW_CHUNK, ModuleQuant, dequantize_int4, dequantize_int8
 from deployer.errors import FormatError
 
 KERNEL_LINEAR = "linear"
+KERNEL_ONEDNN = "mkldnn._linear_pointwise"
 KERNEL_DEQUANT = "dequant+linear"
 KERNEL_INT8 = "aten._weight_int8pack_mm"
 KERNEL_INT8_TRITON = "triton int8 weight-only"
@@ -56,10 +58,8 @@ def _need(t: torch.Tensor | None, what: str) -> torch.Tensor:
     return t
 
 
-def dequantize(name: str, w: LinearWeights, layout: ModuleQuant | None) -> torch.Tensor:
+def _dequantized(w: LinearWeights, layout: ModuleQuant | None) -> torch.Tensor:
     """The fp32 weight [out, in] that the stored tensors stand for (artifact-format.md)."""
-    if layout is not None:
-        check_shapes(name, w, layout)
     if layout is None or layout.scheme not in INTEGER_SCHEMES:
         return w.weight.float()
     if layout.scheme == "int8":
@@ -118,6 +118,20 @@ class FloatLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class OneDnnLinear(FloatLinear):
+    """fp32 weights [out, in] as stored, through oneDNN's linear (`mkldnn._linear_pointwise`, the
+    op inductor's CPU backend emits for a linear layer).
+
+    At one row a token, decode is a stream over the weights: for SmolLM2's 121 fp32 matrices
+    oneDNN read them at 26 GB/s where F.linear (MKL) reached 16 GB/s, 2 threads on the 2-core
+    AMD EPYC; the sums differ from MKL's in the last bits only.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
 class _PackedLinear(nn.Module):
     """Shared frame of the packed kernels: pad K, flatten, cast to the kernel's dtype, add bias."""
 
@@ -131,12 +145,17 @@ class _PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run the packed matmul on x [..., in]."""
-        lead, dtype = x.shape[:-1], x.dtype
-        x2d = x.reshape(-1, x.shape[-1]).to(self.act_dtype)
+        # Casts only where the dtypes differ: a decode step makes 120 of these calls, and even a
+        # cast to the same dtype costs a dispatch (about 1 us on a CPU).
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.dtype != self.act_dtype:
+            x2d = x2d.to(self.act_dtype)
         if self.in_padded != self.in_features:
             # Padded columns were quantized from zeros; zero activations make them vanish exactly.
             x2d = F.pad(x2d, (0, self.in_padded - self.in_features))
-        y = self._mm(x2d).reshape(*lead, -1).to(dtype)
+        y = self._mm(x2d).view(*x.shape[:-1], -1)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -233,20 +252,25 @@ def build_linear(
     """The fastest working layer for these weights on `device`, and the kernel's name.
 
     `layout` None or a float scheme means float weights, used as they are when dtype and device
-    already match (a memory-mapped fp32 tensor is not copied). Raises FormatError when the
-    tensors contradict the layout.
+    already match (a memory-mapped fp32 tensor is not copied); fp32 on a CPU runs oneDNN's linear
+    where it works (OneDnnLinear). Raises FormatError when the tensors contradict the layout.
     """
     if layout is None or layout.scheme not in INTEGER_SCHEMES:
         if layout is not None:
             check_shapes(name, w, layout)
-        weight = w.weight.to(device, dtype)
-        return FloatLinear(weight, _maybe(w.bias, device, dtype)), KERNEL_LINEAR
-    reference = dequantize(name, w, layout)
+        weight, bias = w.weight.to(device, dtype), _maybe(w.bias, device, dtype)
+        if device.type == "cpu" and dtype == torch.float32:
+            onednn = _try(lambda: OneDnnLinear(weight, bias))
+            if onednn is not None and _agrees(onednn, *_probe(w, None), device, dtype):
+                return onednn, KERNEL_ONEDNN
+        return FloatLinear(weight, bias), KERNEL_LINEAR
+    check_shapes(name, w, layout)
+    probe = _probe(w, layout)
     for kernel, make in _candidates(w, layout, device, dtype):
         layer = _try(make)
-        if layer is not None and _agrees(layer, reference, device, dtype):
+        if layer is not None and _agrees(layer, *probe, device, dtype):
             return layer, kernel
-    weight = reference.to(device, dtype)
+    weight = _dequantized(w, layout).to(device, dtype)
     return FloatLinear(weight, _maybe(w.bias, device, dtype)), KERNEL_DEQUANT
 
 
@@ -276,10 +300,24 @@ def _try(make: Callable[[], nn.Module]) -> nn.Module | None:
 
 
 @torch.inference_mode()
-def _agrees(layer: nn.Module, reference: torch.Tensor, device: torch.device, dtype: torch.dtype) -> bool:
+def _probe(w: LinearWeights, layout: ModuleQuant | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A probe input x [3, in] (odd M: some kernels tile by 2) and x @ W.T for the weights W the
+    stored tensors stand for, dequantized a chunk of rows at a time: a whole 49152-row head in
+    fp32 would add about 250 MB to the agent's peak memory at load."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, reference.shape[1], generator=gen)  # odd M: some kernels tile by 2
-    expected = (x.to(reference.device) @ reference.t()).cpu()
+    x = torch.randn(3, layout.in_features if layout else w.weight.shape[1], generator=gen)
+    parts = []
+    for start in range(0, w.weight.shape[0], ROW_CHUNK):
+        rows = slice(start, start + ROW_CHUNK)
+        scale, zero = (None if t is None else t[rows] for t in (w.scale, w.zero))
+        parts.append(x @ _dequantized(LinearWeights(w.weight[rows], None, scale, zero), layout).t())
+    return x, torch.cat(parts, dim=1)
+
+
+@torch.inference_mode()
+def _agrees(
+    layer: nn.Module, x: torch.Tensor, expected: torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> bool:
     try:
         got = layer(x.to(device, dtype)).float().cpu()
     except Exception:  # a kernel that fails to build or run here (triton raises its own kinds)

@@ -127,6 +127,7 @@ class TorchEngine(Engine):
         compile: str = "auto",
         cuda_graphs: bool = True,
         graph_buckets: Sequence[int] = GRAPH_BUCKETS,
+        quantize_head: bool | None = None,
     ) -> None:
         """`dtype` is "auto", "fp32", "bf16" or "fp16"; `max_context` caps the KV cache of each of
         `slots` sequences (default 16 on CUDA, 4 on CPU); `threads` sets torch's (process-wide)
@@ -135,6 +136,8 @@ class TorchEngine(Engine):
         `compile` is "auto", "on" or "off": auto compiles the decode layer on CUDA only, because on
         a CPU inductor's build takes about 40 s at every start for 12-24% faster decode and needs a
         C++ compiler on the device. `cuda_graphs` captures the decode step per batch bucket.
+        `quantize_head` runs the output head on int8 weights derived at load; None (auto) does so
+        on a CPU for integer-quantized models (see loader.build_model).
         """
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise AgentError("device cuda was asked for but torch sees no CUDA device")
@@ -143,6 +146,7 @@ class TorchEngine(Engine):
         kind = "cuda" if device.startswith("cuda") else "cpu"
         self._device, self._dtype, self._max_context = device, dtype, max_context
         self._threads = threads
+        self._quantize_head = quantize_head
         self._slots = slots or DEFAULT_SLOTS[kind]
         if self._slots < 1:
             raise AgentError(f"slots must be at least 1, got {self._slots}")
@@ -173,6 +177,7 @@ class TorchEngine(Engine):
             dtype=self._dtype,
             max_context=self._max_context,
             slots=self._slots,
+            quantize_head=self._quantize_head,
         )
         codec = TextCodec.from_dir(artifact_dir)
         tok_config = read_tokenizer_config(artifact_dir)
@@ -480,6 +485,8 @@ class TorchEngine(Engine):
                 "dtype": str(loaded.dtype).removeprefix("torch."),
                 "threads": str(torch.get_num_threads()),
                 "kernels": ", ".join(f"{k}={n}" for k, n in sorted(counts.items())),
+                "head": loaded.kernels["lm_head"],
+                "kv_cache": str(loaded.model.kv_dtype).removeprefix("torch."),
                 "architecture": loaded.args.architecture,
                 "slots": str(self._slots),
                 "decode": self._decode.graph_note,
