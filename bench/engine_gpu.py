@@ -401,7 +401,7 @@ def gpu_verdict(rows: list[dict]) -> list[str]:
             + ("every row" if not over else "over in " + ", ".join(over))
         )
     lines.append(
-        f"(the L2 cache is {rows[0]['l2_mb']:.0f} MB: on a cold load inductor's autotuning flushes it with "
-        "an L2-sized buffer, the int8 kernel's with twice that)"
+        f"(the L2 cache is {rows[0]['l2_mb']:.0f} MB: on a cold load the int8 kernel's tuning flushes it "
+        "with twice that while the loader probes it, before the KV cache exists; inductor's with 1 MB)"
     )
     return lines

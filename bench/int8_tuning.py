@@ -8,11 +8,11 @@ projections of SmolLM2-135M and of a Qwen2.5-1.5B-like model, at 1 and 16 rows (
 
     PYTHONPATH=. python bench/int8_tuning.py
 
-Measured on the H200 (2026-12-02) by the one-off script this file was cleaned up from (same
-shapes, configs and method; this file itself has not run there yet): triton's own do_bench (a
-256 MB flush) 1.016x on average, worst 1.08x; an L2-sized flush, 50 runs, 1.186x, worst 1.69x;
-200 runs 1.144x, worst 1.38x; twice the L2 1.010x, worst 1.08x (the engine's choice); four times
-1.005x, worst 1.03x.
+Measured on the H200 (2026-12-02, this file): triton's own do_bench (a 256 MB flush) 1.018x the
+best cold cost on average, worst 1.11x; an L2-sized flush, 50 runs, 1.213x, worst 1.64x; 200 runs
+1.290x, worst 1.92x; twice the L2 (the engine's choice) 1.051x, worst 1.52x; four times 1.021x,
+worst 1.10x. The day before, by the one-off script this file was cleaned up from: 1.016x, 1.186x,
+1.144x, 1.010x and 1.005x on average (docs/torch-engine.md).
 """
 
 from __future__ import annotations

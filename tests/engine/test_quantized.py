@@ -165,3 +165,37 @@ def test_fp32_on_a_cpu_runs_onednn_and_falls_back_to_f_linear(monkeypatch):
     layer, kernel = build_linear("m", LinearWeights(weight, bias), None, torch.device("cpu"), torch.float32)
     assert kernel == KERNEL_LINEAR
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias))
+
+
+def test_a_kernel_wrong_only_for_prefill_sized_inputs_is_not_used(monkeypatch):
+    # Kernels with a tile per row bucket (the Triton int8 one) are probed at both a decode's and
+    # a prefill chunk's row count; here the CPU int8 kernel is broken above 16 rows.
+    from deployer.agent.engines.qlinear import PROBE_ROWS, Int8PackLinear
+
+    assert min(PROBE_ROWS) <= 16 < max(PROBE_ROWS)
+    weight = torch.randn(32, 64)
+    q, scale = quantize_int8(weight)
+    layout = ModuleQuant("int8", None, 64, 64, 32)
+    cpu = torch.device("cpu")
+    assert build_linear("m", LinearWeights(q, None, scale), layout, cpu, torch.float32)[1] == KERNEL_INT8
+    right = Int8PackLinear._mm
+
+    def wrong_in_prefill(self, x2d):
+        out = right(self, x2d)
+        return -out if x2d.shape[0] > 16 else out
+
+    monkeypatch.setattr(Int8PackLinear, "_mm", wrong_in_prefill)
+    assert build_linear("m", LinearWeights(q, None, scale), layout, cpu, torch.float32)[1] == KERNEL_DEQUANT
+
+
+def test_inductor_tunes_with_a_small_flush_while_a_cuda_engine_loads():
+    from torch._inductor.runtime.benchmarking import benchmarker
+
+    from deployer.agent.engines.torch_engine import TUNING_FLUSH_BYTES, _small_tuning_flush
+
+    assert "L2_cache_size" not in benchmarker.__dict__
+    with _small_tuning_flush(torch.device("cuda")):  # sets a number only: no GPU is touched
+        assert benchmarker.L2_cache_size == TUNING_FLUSH_BYTES
+    assert "L2_cache_size" not in benchmarker.__dict__
+    with _small_tuning_flush(torch.device("cpu")):
+        assert "L2_cache_size" not in benchmarker.__dict__
