@@ -2,8 +2,9 @@
 
 CPU (real SmolLM2-135M-Instruct, batch 1, greedy): transformers `generate` in fp32 and
 llama.cpp (llama-cpp-python in-process, the shipped Q4_1 GGUF) as baselines, then our torch
-engine on fp32, bf16, int8 and int4 (group 32) weights, and int4 with the decode layer
-compiled (inductor's CPU backend). Each row runs in its own process, so its peak RSS is its own.
+engine on fp32, bf16, int8 and int4 (group 32) weights, and int4 with the decode step
+compiled (`compile="on"`: one inductor graph with a C++ wrapper). Each row runs in its own
+process, so its peak RSS is its own.
 Figures are the best of `--repeats` runs, because the CI machine is shared and a slow run
 measures the neighbours, not us. Targets: int4 >= 0.8x llama.cpp Q4_1, fp32 >= 2x transformers.
 

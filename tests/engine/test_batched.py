@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from deployer.agent.engines.base import SamplingParams
-from deployer.agent.engines.llama import DecoderLayer
 from deployer.errors import AgentError
 
 GREEDY = SamplingParams(max_tokens=128, temperature=0)
@@ -136,17 +135,31 @@ def test_an_engine_with_compile_off_runs_eager_layers_on_a_model_compiled_before
 
 
 def test_compile_that_fails_falls_back_to_eager_with_the_reason(varied_model_dir, engine_on, monkeypatch):
-    # A fake: torch.compile works here, so stand in for a device without a C++ compiler.
-    def broken_compile(self, *args, **kwargs):
+    # A fake: torch.compile works here, so stand in for a device without a C++ compiler. On a
+    # CPU the engine compiles the whole decode step, which fails at its first call.
+    def broken_compile(fn, *args, **kwargs):
         def fail(*a, **k):
             raise RuntimeError("no C++ compiler found")
 
-        self._compiled_call_impl = fail
+        return fail
 
-    monkeypatch.setattr(DecoderLayer, "compile", broken_compile)
+    monkeypatch.setattr(torch, "compile", broken_compile)
     engine = engine_on(varied_model_dir, compile="on")
     extra = engine.describe().extra
     assert extra["compile"] == "off (compile failed: RuntimeError: no C++ compiler found)"
     assert extra["decode"] == extra["prefill"] == "eager (CUDA graphs are for CUDA devices)"
     prompt = engine.encode(PROMPTS[0])
     assert run(engine, 0, prompt, GREEDY, 8) == run(engine_on(varied_model_dir), 0, prompt, GREEDY, 8)
+
+
+def test_the_compiled_cpu_step_gives_the_eager_tokens_alone_and_batched(varied_model_dir, engine, engine_on):
+    compiled = engine_on(varied_model_dir, slots=4, compile="on")
+    assert compiled.describe().extra["compile"] == "on (decode step, inductor C++ wrapper)"
+    prompts = [engine.encode(p) for p in PROMPTS[:2]]
+    assert run(compiled, 0, prompts[0], GREEDY, 128) == run(engine, 0, prompts[0], GREEDY, 128)
+    # rows 0..2 in one step (the batch graph); slot 1 runs no sequence and writes only scratch
+    got = [[compiled.prefill(0, prompts[0], GREEDY)], [compiled.prefill(2, prompts[1], GREEDY)]]
+    for _ in range(15):
+        for tokens, token in zip(got, compiled.step([0, 2]), strict=True):
+            tokens.append(token)
+    assert got == [run(engine, 0, p, GREEDY, 16) for p in prompts]
