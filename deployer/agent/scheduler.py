@@ -10,7 +10,8 @@ and never fought over. Its loop, between two decode steps:
 2. drops requests that were cancelled, abandoned (their `Generation` was garbage-collected), whose
    consumer stopped reading for longer than `stall_timeout_s`, or that waited longer than
    `queue_timeout_s` for a slot; their slots are released;
-3. admits waiting requests into free slots (prefill: the first token);
+3. admits waiting requests into free slots (prefill: the first token; the prompts admitted in one
+   round go to the engine together, which may decode them in one batch);
 4. advances the running requests by one token with a single `engine.step`: all of them, or as many
    as `engine.step_group` says are cheaper to step apart (those whose last token is oldest), so a
    round of steps advances each once and a new request waits for one small step, not a whole round.
@@ -502,8 +503,8 @@ class Scheduler:
                         hint="read the stream as it comes",
                     )
                 )
-        for request in admitted:
-            self._prefill(request)
+        if admitted:
+            self._prefill(admitted)
         runnable = [r for r in runnable if self._running.get(r.slot) is r and not r.cancelled]
         if runnable:
             self._step(self._next_group(runnable))
@@ -587,14 +588,19 @@ class Scheduler:
         ]
         return max(0.0, min(deadlines) - now) + 0.001 if deadlines else None
 
-    def _prefill(self, request: _Request) -> None:
+    def _prefill(self, admitted: list[_Request]) -> None:
+        """Start the requests admitted this round, their prompts together where the engine batches
+        them; each gets its first token or its error."""
         try:
-            token = self.engine.prefill(request.slot, request.prompt, request.params)
-        except Exception as exc:
-            self._fail(request, exc)
-            return
-        request.stepped = self._steps
-        self._advance(request, token)
+            results = self.engine.prefill_many([(r.slot, r.prompt, r.params) for r in admitted])
+        except Exception as exc:  # the call itself failed: every request in it
+            results = [exc] * len(admitted)
+        for request, result in zip(admitted, results, strict=True):
+            if isinstance(result, Exception):
+                self._fail(request, result)
+            else:
+                request.stepped = self._steps
+                self._advance(request, result)
 
     def _next_group(self, runnable: list[_Request]) -> list[_Request]:
         """The requests the next step advances: `engine.step_group` of them, those whose last token

@@ -26,6 +26,7 @@ from deployer.agent.scheduler import (
     SchedulerLimits,
 )
 from deployer.errors import AgentError, GrammarError
+from tests.agent_server.conftest import EngineWrapper
 from tests.grammars import dead_end_grammar
 from tests.llamacpp.conftest import gguf_store, needs_llama_cpp, tiny_gguf_dir  # noqa: F401 (fixtures)
 
@@ -135,7 +136,7 @@ def test_work_in_pieces_runs_a_piece_between_two_decode_steps(make):
         generation.cancel()
 
 
-class OneAtATime:
+class OneAtATime(EngineWrapper):
     """A real engine that asks to be stepped one sequence at a time (as the llama.cpp engine does
     where a batch of a few costs more than as many single steps), recording its calls; its steps
     wait while `go` is clear."""
@@ -145,9 +146,6 @@ class OneAtATime:
         self.calls: list[tuple[str, tuple[int, ...]]] = []
         self.go = threading.Event()
         self.go.set()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._engine, name)
 
     def step_group(self, running: int) -> int:
         return 1
