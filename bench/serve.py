@@ -9,8 +9,9 @@ over all its requests.
 
 * `agent llama.cpp`: `AgentServer` on the Q8_0 GGUF artifact, max_concurrent 16 (the batch);
 * `agent torch`: the same server with the torch engine on the int8 safetensors artifact;
-* `llama-server -np 4`: built from the llama.cpp sources the llama-cpp-python sdist vendors, cached
-  under ~/.cache/sits-deployer/llama-server (see `--llama-server`); flash attention off, as ours.
+* `llama-server -np 4`: built by scripts/llamacpp.sh from the same patched llama.cpp sources and
+  CMake flags as our llama-cpp-python, cached under ~/.cache/sits-deployer/llama-cpp; flash
+  attention off, as ours.
 
 Targets (2 CPU cores, 1 engine thread): llama.cpp agent at 4 clients >= 2x its single-client
 aggregate and >= llama-server at 4 clients; its p50 TTFT at 4 clients <= 2x single.
@@ -59,7 +60,6 @@ from llamacpp import MESSAGES, artifacts  # noqa: E402 (bench/llamacpp.py: the s
 from deployer.core.gguf_io import GGUF_FILE  # noqa: E402
 
 CLIENTS = (1, 4, 16)
-LLAMA_SERVER = Path.home() / ".cache" / "sits-deployer" / "llama-server"
 CONTEXT = 512  # per sequence: the prompt (~30 tokens) and 128 answer tokens fit
 
 
@@ -180,15 +180,18 @@ def start_agent(engine: str, artifact_dir: Path, device: str = "cpu", name: str 
 
 
 def llama_server_binary() -> Path:
-    """The cached llama-server, or a message saying how to build it."""
-    found = sorted(LLAMA_SERVER.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))
-    if not found:
-        raise SystemExit(
-            f"no llama-server under {LLAMA_SERVER}: pip download --no-binary :all: --no-deps "
-            "llama-cpp-python there, unpack it, then in vendor/llama.cpp: cmake -B build "
-            "-DGGML_NATIVE=OFF && cmake --build build --target llama-server -j2"
-        )
-    return found[-1]
+    """llama-server built from the same patched llama.cpp sources and CMake flags as our engine's
+    llama-cpp-python (scripts/llamacpp.sh: cached, compiled on first use, about 5 minutes)."""
+    done = subprocess.run(
+        [str(REPO / "scripts" / "llamacpp.sh"), "server"],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+        env={**os.environ, "SITS_VENV": sys.prefix},  # its pip: this virtual environment's
+    )
+    if done.returncode != 0:
+        raise SystemExit("scripts/llamacpp.sh server failed (its messages are above)")
+    return Path(done.stdout.strip())
 
 
 def start_llama_server(binary: Path, gguf: Path, slots: int) -> Server:

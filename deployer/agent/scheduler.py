@@ -10,7 +10,9 @@ and never fought over. Its loop, between two decode steps:
 2. drops requests that were cancelled, abandoned (their `Generation` was garbage-collected), whose
    consumer stopped reading for longer than `stall_timeout_s`, or that waited longer than
    `queue_timeout_s` for a slot; their slots are released;
-3. admits waiting requests into free slots (prefill: the first token);
+3. admits waiting requests into free slots (prefill: the first token; the prompts admitted in one
+   round go to the engine together, which may decode them in one batch). An idle engine first
+   waits a moment for requests already on their way (`Arrivals`), so a burst starts together;
 4. advances the running requests by one token with a single `engine.step`: all of them, or as many
    as `engine.step_group` says are cheaper to step apart (those whose last token is oldest), so a
    round of steps advances each once and a new request waits for one small step, not a whole round.
@@ -46,6 +48,7 @@ from deployer.agent.engines.textstream import token_events
 from deployer.errors import AgentError
 
 __all__ = [
+    "Arrivals",
     "EngineStopped",
     "Generation",
     "Overloaded",
@@ -90,6 +93,46 @@ class SchedulerLimits:
     queue_timeout_s: float = 120.0  # the longest a request waits for a slot
     stall_timeout_s: float = 120.0  # the longest a consumer may leave its full buffer unread
     buffer_events: int = 64  # events held for a consumer before its request pauses
+    # The longest an idle engine waits for requests on their way (Arrivals): about the time it
+    # takes to tokenize a few chat prompts.
+    gather_s: float = 0.01
+
+
+class Arrivals:
+    """Requests that reached the agent and are on their way to a scheduler (being tokenized).
+
+    Clients often come in bursts (an app's workers, a fan-out): when the engine is idle, the first
+    of a burst would start alone and the rest wait for its whole prefill. A scheduler with an idle
+    engine therefore waits for the requests already on their way, at most `SchedulerLimits.gather_s`,
+    and starts them together (one batched prefill). A lone request has none on its way and starts at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._watchers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+    @property
+    def count(self) -> int:
+        """How many are on their way now."""
+        return self._count
+
+    def coming(self) -> None:
+        """A request is on its way (call `came` when it is submitted, or given up)."""
+        with self._lock:
+            self._count += 1
+
+    def came(self) -> None:
+        """A request announced by `coming` was submitted or given up: the schedulers look again."""
+        with self._lock:
+            self._count -= 1
+            watchers = list(self._watchers)
+        for scheduler in watchers:
+            scheduler._wake()
+
+    def watch(self, scheduler: Scheduler) -> None:
+        """Wake `scheduler` whenever a request has come."""
+        with self._lock:
+            self._watchers.add(scheduler)
 
 
 @dataclass(frozen=True)
@@ -338,10 +381,13 @@ class Scheduler:
         *,
         name: str = "engine",
         on_change: Callable[[], None] | None = None,
+        arrivals: Arrivals | None = None,
     ) -> None:
         """Start the engine thread. `on_change()` is called (on any thread, no lock held) whenever the
-        running or waiting count may have changed."""
+        running or waiting count may have changed; `arrivals` counts requests on their way here
+        (see Arrivals)."""
         self.engine = engine
+        self._arrivals = arrivals
         self.limits = limits
         self._on_change = on_change or (lambda: None)
         self._cond = threading.Condition()
@@ -356,6 +402,8 @@ class Scheduler:
         self._context_length: int | None = None
         self._reported = SchedulerCounts(0, 0)
         self._report_lock = threading.Lock()
+        if arrivals is not None:
+            arrivals.watch(self)
         self._thread = threading.Thread(target=self._loop, name=f"sits-{name}", daemon=True)
         self._thread.start()
 
@@ -474,7 +522,8 @@ class Scheduler:
                 self._calls.clear()
                 piece = self._next_piece()
                 expired = self._expire_waiting(now)
-                admitted = self._admit()
+                gather = self._gathering(now)
+                admitted = [] if gather else self._admit()
                 dropped = [r for r in self._running.values() if r.cancelled or self._stalled(r, now)]
                 runnable = [r for r in self._running.values() if not r.paused and not r.cancelled]
                 # A request cancelled while waiting changes the counts and nothing else.
@@ -484,7 +533,10 @@ class Scheduler:
                     break
                 if self._closing and not self._running and not self._waiting:
                     return False
-                self._cond.wait(self._next_deadline(now))
+                deadline = self._next_deadline(now)
+                if gather:
+                    deadline = gather if deadline is None else min(deadline, gather)
+                self._cond.wait(deadline)
         for fn, future in calls:
             _run_call(fn, future)
         if piece is not None:
@@ -502,8 +554,8 @@ class Scheduler:
                         hint="read the stream as it comes",
                     )
                 )
-        for request in admitted:
-            self._prefill(request)
+        if admitted:
+            self._prefill(admitted)
         runnable = [r for r in runnable if self._running.get(r.slot) is r and not r.cancelled]
         if runnable:
             self._step(self._next_group(runnable))
@@ -569,6 +621,15 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
+    def _gathering(self, now: float) -> float:
+        """Seconds the idle engine should still wait for requests on their way before admitting the
+        waiting ones (see Arrivals); 0: admit now (lock held)."""
+        if self._running or not self._waiting or self._arrivals is None or not self._arrivals.count:
+            return 0.0
+        if len(self._waiting) >= self.capacity:  # nothing more would start with them
+            return 0.0
+        return max(0.0, self._waiting[0].submitted + self.limits.gather_s - now)
+
     def _stalled(self, request: _Request, now: float) -> bool:
         if not request.paused:
             request.stalled_since = None
@@ -587,14 +648,19 @@ class Scheduler:
         ]
         return max(0.0, min(deadlines) - now) + 0.001 if deadlines else None
 
-    def _prefill(self, request: _Request) -> None:
+    def _prefill(self, admitted: list[_Request]) -> None:
+        """Start the requests admitted this round, their prompts together where the engine batches
+        them; each gets its first token or its error."""
         try:
-            token = self.engine.prefill(request.slot, request.prompt, request.params)
-        except Exception as exc:
-            self._fail(request, exc)
-            return
-        request.stepped = self._steps
-        self._advance(request, token)
+            results = self.engine.prefill_many([(r.slot, r.prompt, r.params) for r in admitted])
+        except Exception as exc:  # the call itself failed: every request in it
+            results = [exc] * len(admitted)
+        for request, result in zip(admitted, results, strict=True):
+            if isinstance(result, Exception):
+                self._fail(request, result)
+            else:
+                request.stepped = self._steps
+                self._advance(request, result)
 
     def _next_group(self, runnable: list[_Request]) -> list[_Request]:
         """The requests the next step advances: `engine.step_group` of them, those whose last token

@@ -14,7 +14,10 @@ that pip finds on the controller's disk is found for the wheelhouse too. A requi
 only as a source distribution (llama-cpp-python compiles llama.cpp) is built into a wheel on the
 controller with `pip wheel`, which is only right when the device can run what the controller builds:
 same CPU architecture, Python and libc family, a libc no older. For any other device, a wheel built
-for it must lie in one of pip's find-links directories.
+for it must lie in one of pip's find-links directories. For a device that runs the controller's
+builds pip also looks in <cache>/llama-cpp/wheels, where scripts/llamacpp.sh leaves the
+llama-cpp-python it built with our patches to llama.cpp (the one the controller runs; its local
+version label outranks PyPI's).
 """
 
 from __future__ import annotations
@@ -201,7 +204,10 @@ def build_wheelhouse(
     Raises SitsError when pip cannot find or build a wheel for the target.
     """
     root = (cache or cache_root()) / "wheelhouse"
+    ours = _our_builds(target)
     spec = {"requirements": sorted(requirements), "target": asdict(target), "v": 1}
+    if ours is not None:  # a new build of ours makes a new wheelhouse
+        spec["ours"] = sorted(wheel.name for wheel in ours.glob("*.whl"))
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
     folder = root / key
     with _lock:
@@ -211,7 +217,7 @@ def build_wheelhouse(
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=root))
         try:
-            _download(requirements, target, staging)
+            _download(requirements, target, staging, ours)
             hashes = {p.name: sha256_file(p) for p in sorted(staging.glob("*.whl"))}
             manifest = {**spec, "wheels": hashes}
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
@@ -241,10 +247,18 @@ def _pip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=PIP_TIMEOUT_S)
 
 
-def _download(requirements: tuple[str, ...], target: PipTarget, dest: Path) -> None:
-    """pip download every wheel into `dest`; a source-only requirement is built here when it may be."""
+def _our_builds(target: PipTarget) -> Path | None:
+    """The folder of our own builds (scripts/llamacpp.sh's llama-cpp-python), when there is one and
+    `target` runs what this controller builds."""
+    ours = cache_root() / "llama-cpp" / "wheels"
+    return ours if ours.is_dir() and target.runs_controller_builds() else None
+
+
+def _download(requirements: tuple[str, ...], target: PipTarget, dest: Path, ours: Path | None) -> None:
+    """pip download every wheel into `dest`, looking in `ours` too; a source-only requirement is
+    built here when it may be."""
     built = dest / "built"
-    links: list[str] = []
+    links = [] if ours is None else [f"--find-links={ours}"]
     for _ in range(len(requirements) + 1):  # each round builds one more source-only requirement
         done = _pip("download", "--quiet", "--only-binary=:all:", "--dest", str(dest), *links,
                     *target.pip_args(), *requirements)  # fmt: skip
@@ -265,7 +279,7 @@ def _download(requirements: tuple[str, ...], target: PipTarget, dest: Path) -> N
                 f"{made.stderr.strip()[-600:]}",
                 hint=f"run `pip wheel --no-deps '{lacking[1]}'` to see why",
             )
-        links = [f"--find-links={built}"]
+        links.append(f"--find-links={built}")
     else:
         raise SitsError(f"pip download for {target.platforms[0]} kept failing after building wheels")
     for wheel in built.glob("*.whl") if built.is_dir() else ():

@@ -174,7 +174,22 @@ def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
     }
 
 
-class GatedEngine:
+class EngineWrapper:
+    """Base of the test wrappers around a real engine: what a wrapper does not define is the
+    engine's, except `prefill_many`, which runs the wrapper's own `prefill` for each request."""
+
+    _engine: Engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def prefill_many(
+        self, items: Sequence[tuple[int, Sequence[int], SamplingParams]]
+    ) -> list[int | Exception]:
+        return Engine.prefill_many(self, items)
+
+
+class GatedEngine(EngineWrapper):
     """A real engine whose long generations (max_tokens >= GATED_FROM) pause after their first token
     until `gate` is set: a test can then act while a request is provably mid-generation. The pause
     is the first decode step that includes a long generation's slot (the engine thread waits in it,
@@ -187,9 +202,6 @@ class GatedEngine:
         self._gate = gate
         self._generating = generating
         self._long: set[int] = set()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._engine, name)
 
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
         (self._long.add if params.max_tokens >= self.GATED_FROM else self._long.discard)(slot)

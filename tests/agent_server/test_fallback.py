@@ -22,7 +22,7 @@ from deployer.agent.fallback.settings import FallbackSettings
 from deployer.agent.http.server import AgentServer
 from deployer.agent.settings import load_settings
 from deployer.errors import AgentError, ConfigError
-from tests.agent_server.conftest import metric_is
+from tests.agent_server.conftest import EngineWrapper, metric_is
 
 QUESTION = [{"role": "user", "content": "Hello there"}]
 KEY = "sk-upstream-" + "k" * 32
@@ -87,7 +87,7 @@ def _upstream_answer(upstream: AgentServer, up_model: str, **extra: object) -> s
     return _chat(upstream, up_model, **extra)[1].choices[0].message.content
 
 
-class HeldEngine:
+class HeldEngine(EngineWrapper):
     """A real engine whose generations wait for `release` before their first token: a device that
     is provably late, whatever the machine's speed."""
 
@@ -96,16 +96,13 @@ class HeldEngine:
         self._release = release
         self._waiting = waiting
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._engine, name)
-
     def prefill(self, slot, prompt, params):
         self._waiting.set()
         assert self._release.wait(60), "the test never released the engine"
         return self._engine.prefill(slot, prompt, params)
 
 
-class PacedEngine:
+class PacedEngine(EngineWrapper):
     """A real engine that takes at least `pause_s` per token after the first, and holds long
     generations (max_tokens >= 100) after their first token until `gate` is set."""
 
@@ -115,9 +112,6 @@ class PacedEngine:
         self._gate = gate
         self._generating = generating
         self._long: set[int] = set()  # slots running a long generation
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._engine, name)
 
     def prefill(self, slot, prompt, params):
         (self._long.add if params.max_tokens >= 100 else self._long.discard)(slot)

@@ -18,6 +18,7 @@ import pytest
 from deployer.agent.engines import make_engine
 from deployer.agent.engines.base import SamplingParams
 from deployer.agent.scheduler import (
+    Arrivals,
     EngineStopped,
     Overloaded,
     QueueTimeout,
@@ -26,6 +27,7 @@ from deployer.agent.scheduler import (
     SchedulerLimits,
 )
 from deployer.errors import AgentError, GrammarError
+from tests.agent_server.conftest import EngineWrapper
 from tests.grammars import dead_end_grammar
 from tests.llamacpp.conftest import gguf_store, needs_llama_cpp, tiny_gguf_dir  # noqa: F401 (fixtures)
 
@@ -35,11 +37,16 @@ PROMPTS = ([5, 17, 33, 101, 7, 250], [9, 9, 40, 300, 12], [77, 3, 180, 64, 200, 
 
 
 def _scheduler(
-    engine_name: str, directory: Path, slots: int = 4, wrap: Callable | None = None, **limits: object
+    engine_name: str,
+    directory: Path,
+    slots: int = 4,
+    wrap: Callable | None = None,
+    arrivals: Arrivals | None = None,
+    **limits: object,
 ) -> Scheduler:
     engine = make_engine(engine_name, context_length=256, threads=1, slots=slots)
     served = wrap(engine) if wrap else engine
-    scheduler = Scheduler(served, SchedulerLimits(**{"batch_size": slots, **limits}))
+    scheduler = Scheduler(served, SchedulerLimits(**{"batch_size": slots, **limits}), arrivals=arrivals)
     scheduler.run(lambda: engine.load(directory))  # on the engine thread, as the model manager does
     return scheduler
 
@@ -51,14 +58,15 @@ def _stop(scheduler: Scheduler) -> None:
 
 @pytest.fixture(params=[pytest.param("llama.cpp", marks=needs_llama_cpp), "torch"])
 def make(request, tiny_model_dir):
-    """`make(slots=4, wrap=None, **limits)`: schedulers on the tiny model of the engine the test runs
-    with (served through `wrap(engine)` when given); closed and unloaded at teardown."""
+    """`make(slots=4, wrap=None, arrivals=None, **limits)`: schedulers on the tiny model of the
+    engine the test runs with (served through `wrap(engine)` when given); closed and unloaded at
+    teardown."""
     name = request.param
     directory = request.getfixturevalue("tiny_gguf_dir") if name == "llama.cpp" else tiny_model_dir
     made = []
 
-    def start(slots: int = 4, wrap: Callable | None = None, **limits: object) -> Scheduler:
-        made.append(_scheduler(name, directory, slots, wrap, **limits))
+    def start(slots=4, wrap=None, arrivals=None, **limits) -> Scheduler:
+        made.append(_scheduler(name, directory, slots, wrap, arrivals, **limits))
         return made[-1]
 
     yield start
@@ -135,7 +143,7 @@ def test_work_in_pieces_runs_a_piece_between_two_decode_steps(make):
         generation.cancel()
 
 
-class OneAtATime:
+class OneAtATime(EngineWrapper):
     """A real engine that asks to be stepped one sequence at a time (as the llama.cpp engine does
     where a batch of a few costs more than as many single steps), recording its calls; its steps
     wait while `go` is clear."""
@@ -145,9 +153,6 @@ class OneAtATime:
         self.calls: list[tuple[str, tuple[int, ...]]] = []
         self.go = threading.Event()
         self.go.set()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._engine, name)
 
     def step_group(self, running: int) -> int:
         return 1
@@ -183,6 +188,35 @@ def test_an_engine_stepped_in_groups_advances_each_request_once_per_round(make):
     together = [slots[0] for _, slots in calls[last_prefill + 1 : first_release]]
     assert len(together) >= 8
     assert all(len(set(together[i : i + 4])) == 4 for i in range(len(together) - 3))
+
+
+class PrefillRecorder(EngineWrapper):
+    """A real engine recording the slots of each prefill round the scheduler hands it."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.rounds: list[list[int]] = []
+
+    def prefill_many(self, items):
+        self.rounds.append([slot for slot, *_ in items])
+        return self._engine.prefill_many(items)
+
+
+def test_an_idle_engine_waits_for_the_requests_on_their_way_and_starts_them_together(make):
+    arrivals = Arrivals()
+    # A wait this long ends only by the requests' coming (or the test's timeout).
+    scheduler = make(wrap=PrefillRecorder, arrivals=arrivals, gather_s=600.0)
+    alone = [_tokens(scheduler.submit(p, GREEDY)) for p in PROMPTS[:2]]  # none on their way: at once
+    rounds = scheduler.engine.rounds
+    assert [len(r) for r in rounds] == [1, 1]
+    arrivals.coming()
+    arrivals.coming()
+    first = scheduler.submit(PROMPTS[0], GREEDY)
+    arrivals.came()
+    second = scheduler.submit(PROMPTS[1], GREEDY)
+    arrivals.came()
+    assert [_tokens(first), _tokens(second)] == alone
+    assert [len(r) for r in rounds] == [1, 1, 2]  # both in one round
 
 
 def test_the_queue_is_bounded_and_a_cancelled_request_frees_its_slot(make, wait_until):

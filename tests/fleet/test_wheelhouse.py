@@ -7,7 +7,9 @@ machine, with the controller's pip configuration) by `agent_house`.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
+import shutil
 import sys
 import tomllib
 from pathlib import Path
@@ -122,3 +124,31 @@ def test_a_second_build_is_served_from_the_cache_and_a_tampered_one_is_rebuilt(
     first.wheels[0].path.write_bytes(b"tampered")
     with pytest.raises(SitsError, match="No matching distribution"):  # rebuilt: pip finds nothing
         build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
+
+
+@pytest.mark.parametrize("device_runs_our_builds", [True, False])
+def test_our_own_builds_are_found_only_for_a_device_that_runs_them(
+    agent_house, tmp_path, monkeypatch, device_runs_our_builds
+):
+    # scripts/llamacpp.sh leaves its patched llama-cpp-python in <cache>/llama-cpp/wheels; a click
+    # wheel stands in for it. pip itself is pointed at an empty folder.
+    ours = tmp_path / "cache" / "llama-cpp" / "wheels"
+    ours.mkdir(parents=True)
+    click = next(agent_house.folder.glob("click-*.whl"))
+    shutil.copy(click, ours)
+    monkeypatch.setenv("SITS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nothing-here"))
+    target = PipTarget.of(HERE)
+    if not device_runs_our_builds:  # an older glibc than the controller's: our builds may not run
+        older = dataclasses.replace(HERE, libc_version="2.17")
+        target = PipTarget.of(older)
+        assert not target.runs_controller_builds()
+        with pytest.raises(SitsError, match="No matching distribution"):
+            build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
+        return
+    house = build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
+    assert [w.path.name for w in house.wheels] == [click.name]
+    (ours / "llama_cpp_python-0.3.36+sits.0-py3-none-linux_x86_64.whl").write_bytes(b"")
+    assert build_wheelhouse(("click>=8.1",), target, cache=tmp_path).folder != house.folder

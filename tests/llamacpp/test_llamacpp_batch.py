@@ -93,6 +93,76 @@ def test_a_prompt_that_extends_what_a_slot_holds_gives_the_same_answer(tiny_gguf
     assert _alone(engine, first + second, GREEDY, 12) == fresh
 
 
+def _spy_decodes(engine):
+    """The sizes of the batches `engine` decodes from now on, in a list that grows."""
+    batch, decoded = engine._loaded.batch, []
+    real_fill = batch._fill
+
+    def fill_spy(entries):
+        decoded.append(len(entries))
+        real_fill(entries)
+
+    batch._fill = fill_spy
+    return decoded
+
+
+def _steps_after(engine, slots, firsts, n):
+    """The answers of `slots`, started with tokens `firsts`, stepped together to `n` tokens each."""
+    got = {s: [t] for s, t in zip(slots, firsts, strict=True)}
+    while running := [s for s in got if len(got[s]) < n]:
+        for s, token in zip(running, engine.step(running), strict=True):
+            got[s].append(token)
+    for s in slots:
+        engine.release(s)
+    return [got[s] for s in slots]
+
+
+def test_prompts_started_together_answer_as_alone_in_one_decode(tiny_gguf_dir):
+    engine = _engine(tiny_gguf_dir)
+    prompts = _random_prompts()
+    alone = [_alone(engine, p, GREEDY, 16) for p in prompts]
+    fresh = _engine(tiny_gguf_dir)
+    decoded = _spy_decodes(fresh)
+    firsts = fresh.prefill_many([(s, p, GREEDY) for s, p in enumerate(prompts)])
+    assert decoded == [sum(len(p) for p in prompts)]  # every prompt in a single llama_decode
+    assert _steps_after(fresh, [0, 1, 2, 3], firsts, 16) == alone
+
+
+def test_prompts_started_together_decode_their_shared_prefix_once(tiny_gguf_dir):
+    rng = random.Random(2)
+    shared = [rng.randrange(3, TINY_VOCAB) for _ in range(40)]  # one app's system prompt
+    prompts = [[*shared, 5, 6], [*shared, 7], list(shared), _random_prompts()[0]]
+    baseline = _engine(tiny_gguf_dir)
+    alone = [_alone(baseline, p, GREEDY, 12) for p in prompts]
+    engine = _engine(tiny_gguf_dir)
+    decoded = _spy_decodes(engine)
+    firsts = engine.prefill_many([(s, p, GREEDY) for s, p in enumerate(prompts)])
+    # First the prompts that share nothing with an earlier one, then the others from their caches:
+    # [7] for the second; the third is the prefix itself, of which its last token is decoded.
+    assert decoded == [len(prompts[0]) + len(prompts[3]), 1 + 1]
+    assert _steps_after(engine, [0, 1, 2, 3], firsts, 12) == alone
+
+
+def test_a_bad_prompt_started_with_others_fails_alone(tiny_gguf_dir):
+    engine = _engine(tiny_gguf_dir)
+    good = _random_prompts()[:2]
+    too_long = [3] * engine._loaded.batch.context_length
+    alone = [_alone(engine, p, GREEDY, 8) for p in good]
+    results = engine.prefill_many(
+        [
+            (0, good[0], GREEDY),
+            (1, too_long, GREEDY),
+            (2, good[1], GREEDY),
+            (3, [1], SamplingParams(top_k=-1)),
+        ]
+    )
+    assert isinstance(results[1], AgentError) and "does not fit" in str(results[1])
+    assert isinstance(results[3], AgentError)
+    assert _steps_after(engine, [0, 2], [results[0], results[2]], 8) == alone
+    with pytest.raises(AgentError, match="twice"):
+        engine.prefill_many([(0, good[0], GREEDY), (0, good[1], GREEDY)])
+
+
 def test_a_prompt_starts_from_another_slots_cache_and_answers_the_same(tiny_gguf_dir):
     rng = random.Random(1)
     shared = [rng.randrange(3, TINY_VOCAB) for _ in range(40)]  # a system prompt, say
@@ -100,14 +170,7 @@ def test_a_prompt_starts_from_another_slots_cache_and_answers_the_same(tiny_gguf
     baseline = _engine(tiny_gguf_dir)
     expected = [_alone(baseline, p, GREEDY, 12) for p in (first, second)]
     engine = _engine(tiny_gguf_dir)
-    batch, decoded = engine._loaded.batch, []
-    real_fill = batch._fill
-
-    def fill_spy(entries, logits_last=False):  # records how many tokens each decode takes
-        decoded.append(len(entries))
-        real_fill(entries, logits_last)
-
-    batch._fill = fill_spy
+    decoded = _spy_decodes(engine)
     got = {0: [engine.prefill(0, first, GREEDY)]}
     got[0] += engine.step([0])
     got[1] = [engine.prefill(1, second, GREEDY)]  # slot 0 runs, its cache starts with `shared`

@@ -222,6 +222,20 @@ class Engine(abc.ABC):
         with what the slot last held may skip that part. Raises AgentError for a bad slot, a prompt
         that does not fit, or bad parameters."""
 
+    def prefill_many(
+        self, items: Sequence[tuple[int, Sequence[int], SamplingParams]]
+    ) -> list[int | Exception]:
+        """Start several (slot, prompt, params) at once, the requests admitted in one round: the
+        first token of each, or its exception in its place, as `step` returns them. By default one
+        `prefill` after another; an engine may decode the prompts in one batch."""
+        results: list[int | Exception] = []
+        for slot, prompt, params in items:
+            try:
+                results.append(self.prefill(slot, prompt, params))
+            except Exception as exc:  # this request alone
+                results.append(exc)
+        return results
+
     def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
         """Which of the `free` slots `prompt` should go to: by default the first (the lowest, so an
         engine that steps rows 0..max runs the smallest batch); an engine may pick the one whose

@@ -14,12 +14,16 @@ holds a longer prefix of the prompt (the system prompt every client of an app se
 copied over first (`llama_memory_seq_cp`: a memory copy of the stream, against about 3 ms a token to
 decode the prefix again for SmolLM2 on one core).
 
-One decode of k sequences does not always cost less than k decodes of one: on x86 ggml multiplies a
-single token by its vec_dot kernels and two or more by llamafile's tinyBLAS, whose Q8_0 tiles read
-four weight rows at once and, for a model as narrow as SmolLM2 (rows of 576 values), stall on memory:
-a 2-sequence step costs about 4 single ones, 4 and 8 sequences about 5, 16 about 10 (2 AVX2 cores,
-1 thread). `measure_steps` times a step of each batch size once (at warm-up) and `group_size` then
-says how many sequences the next step should take so that a round of steps costs least.
+On x86 ggml multiplies a single token by its vec_dot kernels and two or more by llamafile's
+tinyBLAS, whose Q8_0 kernel reads four weight rows at once. For a model as narrow as SmolLM2 (rows
+of 576 values) those rows are too short for the hardware prefetcher and the kernel stalled on
+memory: a 4-sequence step cost 2 single ones. scripts/llamacpp.sh builds llama-cpp-python with a
+patch that prefetches the next rows (scripts/llama-cpp-sgemm-prefetch.patch): measured here, a
+step of 2 sequences costs 0.85 single ones, 4 sequences 1.3, 8 2.4, 16 4.8 (2 AVX-512 cores
+running the AVX2 build, 1 thread). An unpatched build or another CPU may still make a small batch
+dearer than its sequences one by one, so `measure_steps` times a step of each batch size once (at
+warm-up) and `group_size` then says how many sequences the next step should take so that a round
+of steps costs least.
 
 Not thread-safe: the engine calls everything here on its one llama.cpp thread.
 """
@@ -42,11 +46,15 @@ from deployer.agent.engines.base import (
     TokenLogprobs,
     check_params,
     common_prefix,
+    token_of,
 )
 from deployer.agent.engines.logits import TokenProcessor
 from deployer.errors import AgentError
 
-__all__ = ["BatchContext", "cheapest_group", "measured_sizes"]
+__all__ = ["BatchContext", "PrefillItem", "cheapest_group", "measured_sizes"]
+
+# (slot, prompt, sampling, logit processing) of one sequence to start
+PrefillItem = tuple[int, Sequence[int], SamplingParams, "TokenProcessor | None"]
 
 _MEASURED_UP_TO = 64  # bigger batches cost about proportionally more on a CPU: extrapolated
 # A slot's cache is copied from another when that saves decoding at least this many prompt tokens
@@ -120,36 +128,41 @@ class BatchContext:
         """Start `slot` on `prompt` (reusing the cached prefix); the first sampled token. `processor`
         edits each of the slot's logit rows before its sampler picks from it (bias, penalties,
         grammar) and keeps the picked token's logprobs."""
-        state = self._slot(slot)
-        check_params(params)
-        if not prompt or len(prompt) >= self.context_length:
-            raise AgentError(
-                f"a prompt of {len(prompt)} tokens does not fit a slot of {self.context_length}",
-                hint="shorten the prompt",
+        return token_of(self.prefill_many([(slot, prompt, params, processor)])[0])
+
+    def prefill_many(self, items: Sequence[PrefillItem]) -> list[int | Exception]:
+        """Start several slots, each as `prefill` does, their prompts decoded together: the first
+        token of each, or its error in its place (a bad prompt, its processor, a failed decode).
+
+        A prompt that shares a prefix with an earlier one of `items` (clients of one app, the same
+        system prompt) waits for that one's decode and copies its cache, so the prefix is decoded
+        once; the others are decoded in one batch first."""
+        if len({slot for slot, *_ in items}) != len(items):
+            raise AgentError(f"slots {[slot for slot, *_ in items]} name a slot twice")
+        results: dict[int, int | Exception] = {}
+        first: list[tuple[int, list[int]]] = []
+        later: list[tuple[int, list[int]]] = []
+        for slot, prompt, params, processor in items:
+            try:
+                self._check_prompt(slot, prompt, params)
+            except AgentError as exc:
+                results[slot] = exc
+                continue
+            state = self._slot(slot)
+            self._free_sampler(state)
+            state.sampler = self._new_sampler(params)
+            state.processor, state.logprobs = processor, None
+            # Beside the caches that exist, a prompt decoded in this call may be a better donor.
+            known = self._shared(slot, prompt)
+            ahead = max((common_prefix(p, prompt) for _, p in first), default=0)
+            (later if min(ahead, len(prompt) - 1) - known >= _SHARE_FROM else first).append(
+                (slot, list(prompt))
             )
-        if bad := next((t for t in prompt if not 0 <= t < self._n_vocab), None):
-            raise AgentError(f"token id {bad} is not in the vocabulary of {self._n_vocab} tokens")
-        self._free_sampler(state)
-        donor = self._donor(slot, prompt)
-        if donor is not None:
-            # The whole stream is copied (llama.cpp copies streams only whole); cut below.
-            self._lib.llama_memory_seq_cp(self._memory, donor, slot, -1, -1)
-            state.cached = list(self._slots[donor].cached)
-        # Keep the common prefix, but decode at least the prompt's last token: its logits are needed.
-        keep = min(common_prefix(state.cached, prompt), len(prompt) - 1)
-        if not self._lib.llama_memory_seq_rm(self._memory, slot, keep, -1):
-            keep = 0
-            self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
-        state.cached = list(prompt[:keep])
-        state.sampler = self._new_sampler(params)
-        state.processor, state.logprobs = processor, None
-        for start in range(keep, len(prompt), self._n_batch):
-            chunk = prompt[start : start + self._n_batch]
-            self._fill([(token, start + i, slot) for i, token in enumerate(chunk)], logits_last=True)
-            self._decode()
-            state.cached.extend(chunk)
-        state.last = self._sample(state, len(chunk) - 1)
-        return state.last
+        for group in (first, later):
+            for slot, prompt in group:
+                self._reuse(slot, prompt)
+            results.update(self._decode_prompts(group))
+        return [results[slot] for slot, *_ in items]
 
     def step(self, slots: Sequence[int]) -> list[int | Exception]:
         """Decode the last token of each slot in one batch; the next token of each, in order.
@@ -167,16 +180,11 @@ class BatchContext:
                 results[s] = AgentError(f"slot {s} is full ({self.context_length} tokens)")
         live = [(s, state) for s, state in zip(slots, states, strict=True) if s not in results]
         if live:
-            self._fill([(state.last, len(state.cached), s) for s, state in live])
+            self._fill([(state.last, len(state.cached), s, True) for s, state in live])
             self._decode()
         for row, (s, state) in enumerate(live):
             state.cached.append(state.last)
-            try:
-                state.last = self._sample(state, row)
-            except Exception as exc:  # this slot's request alone (its grammar, its processing)
-                results[s] = exc
-            else:
-                results[s] = state.last
+            results[s] = self._next_token(state, row)
         for s, state in zip(slots, states, strict=True):
             if isinstance(results[s], Exception):
                 self._free_sampler(state)  # the sequence has ended
@@ -199,7 +207,7 @@ class BatchContext:
         positions = [0] * sizes[-1]
         for round_ in range(repeats + 1):
             for k in sizes:
-                self._fill([(0, positions[s], s) for s in range(k)])
+                self._fill([(0, positions[s], s, True) for s in range(k)])
                 started = clock()
                 self._decode()
                 if round_:
@@ -239,6 +247,79 @@ class BatchContext:
             raise AgentError(f"slot {slot} does not exist; this context has {len(self._slots)}")
         return self._slots[slot]
 
+    def _check_prompt(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> None:
+        self._slot(slot)
+        check_params(params)
+        if not prompt or len(prompt) >= self.context_length:
+            raise AgentError(
+                f"a prompt of {len(prompt)} tokens does not fit a slot of {self.context_length}",
+                hint="shorten the prompt",
+            )
+        if bad := next((t for t in prompt if not 0 <= t < self._n_vocab), None):
+            raise AgentError(f"token id {bad} is not in the vocabulary of {self._n_vocab} tokens")
+
+    def _reuse(self, slot: int, prompt: list[int]) -> None:
+        """Cut `slot`'s cache to the longest prefix of `prompt` that it, or another slot whose
+        cache is copied over, holds (the prompt's last token always stays to decode)."""
+        state = self._slots[slot]
+        donor = self._donor(slot, prompt)
+        if donor is not None:
+            # The whole stream is copied (llama.cpp copies streams only whole); cut below.
+            self._lib.llama_memory_seq_cp(self._memory, donor, slot, -1, -1)
+            state.cached = list(self._slots[donor].cached)
+        keep = min(common_prefix(state.cached, prompt), len(prompt) - 1)
+        if not self._lib.llama_memory_seq_rm(self._memory, slot, keep, -1):
+            keep = 0
+            self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        state.cached = list(prompt[:keep])
+
+    def _decode_prompts(self, group: list[tuple[int, list[int]]]) -> dict[int, int | Exception]:
+        """Decode the uncached rest of each slot's prompt, all in batches of up to n_batch tokens;
+        each slot samples its first token from the row of its prompt's last token."""
+        entries = [
+            (token, position, slot, position == len(prompt) - 1)
+            for slot, prompt in group
+            for position, token in enumerate(prompt)
+            if position >= len(self._slots[slot].cached)
+        ]
+        results: dict[int, int | Exception] = {}
+        for start in range(0, len(entries), self._n_batch):
+            chunk = entries[start : start + self._n_batch]
+            self._fill(chunk)
+            try:
+                self._decode()
+            except AgentError as exc:  # every slot not yet sampled: its cache is in an unknown state
+                for slot, _ in group:
+                    if slot not in results:
+                        results[slot] = exc
+                        self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
+                        self._slots[slot].cached = []
+                break
+            for row, (token, _, slot, last) in enumerate(chunk):
+                state = self._slots[slot]
+                state.cached.append(token)
+                if last:
+                    results[slot] = self._next_token(state, row)
+        for slot, result in results.items():
+            if isinstance(result, Exception):
+                self._free_sampler(self._slots[slot])
+        return results
+
+    def _next_token(self, state: _Slot, row: int) -> int | Exception:
+        """The slot's token sampled from `row` (its `last`), or the error of this slot alone (its
+        grammar, its processing)."""
+        try:
+            state.last = self._sample(state, row)
+        except Exception as exc:
+            return exc
+        return state.last
+
+    def _shared(self, slot: int, prompt: Sequence[int]) -> int:
+        """How many leading tokens of `prompt` the best cache to start `slot` from holds."""
+        donor = self._donor(slot, prompt)
+        holder = self._slots[slot if donor is None else donor]
+        return min(common_prefix(holder.cached, prompt), len(prompt) - 1)
+
     def _donor(self, slot: int, prompt: Sequence[int]) -> int | None:
         """The other slot whose cache holds the longest prefix of `prompt`, when copying it saves
         decoding at least _SHARE_FROM tokens more than `slot`'s own cache does; else None."""
@@ -258,16 +339,15 @@ class BatchContext:
             self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
             state.cached = []
 
-    def _fill(self, entries: list[tuple[int, int, int]], logits_last: bool = False) -> None:
-        """Write (token, position, sequence) entries into the batch; logits for every entry, or only
-        for the last one (prefill)."""
+    def _fill(self, entries: Sequence[tuple[int, int, int, bool]]) -> None:
+        """Write (token, position, sequence, wants logits) entries into the batch."""
         batch = self._batch
-        for i, (token, position, seq) in enumerate(entries):
+        for i, (token, position, seq, logits) in enumerate(entries):
             batch.token[i] = token
             batch.pos[i] = position
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = seq
-            batch.logits[i] = not logits_last or i == len(entries) - 1
+            batch.logits[i] = logits
         batch.n_tokens = len(entries)
 
     def _decode(self) -> None:

@@ -319,9 +319,27 @@ class LlamaCppEngine(Engine):
         processor = self._processor(loaded, params)
         return _on_llama_thread(loaded.batch.prefill, slot, list(prompt), params, processor)
 
+    def prefill_many(
+        self, items: Sequence[tuple[int, Sequence[int], SamplingParams]]
+    ) -> list[int | Exception]:
+        """See Engine.prefill_many: the prompts decoded together, in one llama_decode (two when
+        some share a prefix with others: see BatchContext.prefill_many)."""
+        loaded = self._require()
+        results: dict[int, int | Exception] = {}
+        batch = []
+        for slot, prompt, params in items:
+            try:
+                batch.append((slot, list(prompt), params, self._processor(loaded, params)))
+            except Exception as exc:  # this request's processing alone
+                results[slot] = exc
+        done = _on_llama_thread(loaded.batch.prefill_many, batch)
+        results.update(zip((slot for slot, *_ in batch), done, strict=True))
+        return [results[slot] for slot, *_ in items]
+
     def step_group(self, running: int) -> int:
-        """See Engine.step_group: from the step costs measured at warm-up (on x86 one decode of 2
-        to about 5 sequences costs more than as many decodes of one; see llamacpp_batch)."""
+        """See Engine.step_group: from the step costs measured at warm-up (a llama.cpp without our
+        prefetch patch can make a small batch dearer than its sequences one by one; see
+        llamacpp_batch)."""
         return self._require().batch.group_size(running)
 
     def step(self, slots: Sequence[int]) -> list[int | Exception]:

@@ -212,7 +212,10 @@ class SchedulerTokenSource:
 
     async def start(self, job: Job) -> Generation:
         """See TokenSource.start."""
+        self._manager.arrivals.coming()
         submitted = _WORKERS.submit(self._submit, job)
+        # Once it is submitted, failed or dropped (and only then): the scheduler stops waiting for it.
+        submitted.add_done_callback(lambda _: self._manager.arrivals.came())
         try:
             running = await asyncio.wrap_future(submitted)
         except asyncio.CancelledError:
