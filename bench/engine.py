@@ -2,9 +2,11 @@
 
 CPU (real SmolLM2-135M-Instruct, batch 1, greedy): transformers `generate` in fp32 and
 llama.cpp (llama-cpp-python in-process, the shipped Q4_1 GGUF) as baselines, then our torch
-engine on fp32, bf16, int8 and int4 (group 32) weights, and int4 with the decode step
+engine on fp32, bf16, int8 and int4 (group 32) weights, and fp32 and int4 with the decode step
 compiled (`compile="on"`: one inductor graph with a C++ wrapper). Each row runs in its own
-process, so its peak RSS is its own.
+process, so its peak RSS is its own. The memory-bound limit of each row is its bytes read a
+token (the linear layers' weights and the head, not the embedding table) over the read
+bandwidth (a sum over 1 GiB at the same threads) measured in the same run.
 Figures are the best of `--repeats` runs, because the CI machine is shared and a slow run
 measures the neighbours, not us. Targets: int4 >= 0.8x llama.cpp Q4_1, fp32 >= 2x transformers.
 
@@ -17,7 +19,8 @@ bf16, batch 16 >= 8x batch 1, first token <= 20 ms, peak memory <= weights + KV 
     PYTHONPATH=. python bench/engine.py --device cuda            # one GPU
 
 Columns (CPU): load (s), time to first token (ms, prefill of the prompt plus one step), decode
-tokens/s (after the first token), peak RSS of the process (MB).
+tokens/s (after the first token), MB read a token, the memory-bound limit (tok/s) and the share
+of it reached, peak RSS of the process (MB).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -43,6 +47,7 @@ ROWS = {
     "transformers fp32": ("transformers", "fp32", None, "fp32"),
     "llama.cpp Q4_1": ("llama.cpp", "gguf", None, None),
     "ours fp32": ("ours", "fp32", None, "fp32"),
+    "ours fp32 compiled": ("ours+compile", "fp32", None, "fp32"),
     "ours bf16": ("ours", "fp32", None, "bf16"),
     "ours int8": ("ours", "int8", None, "auto"),
     "ours int4-g32": ("ours", "int4", 32, "auto"),
@@ -65,6 +70,36 @@ def artifact_for(scheme: str, group_size: int | None) -> Path:
     spec = QuantSpec(scheme, group_size or 128)
     request = BuildRequest(source, "smollm2-135m-instruct", "bench", spec, cache_root() / "bench-store")
     return build_artifact(request).artifact_dir
+
+
+# The read-bandwidth probe: a sum over this many bytes (far above any cache), best of SUM_REPEATS.
+SUM_BYTES = 2**30
+SUM_REPEATS = 5
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s of a sum over SUM_BYTES of fp32 on `threads` threads, best of SUM_REPEATS."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(SUM_BYTES // 4)
+    best = float("inf")
+    for _ in range(SUM_REPEATS + 1):  # the first touches the pages
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return SUM_BYTES / best / 1e9
+
+
+def weight_bytes_read(model: Any) -> int:
+    """Bytes a decode step reads from the linear layers and the head (an nn.Module of ours or of
+    transformers): each stored tensor once, however many names it has (a tied head)."""
+    seen: dict[int, int] = {}
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2].endswith("proj") or name.endswith("lm_head"):
+            for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def _sync(device: str) -> None:
@@ -101,6 +136,7 @@ def run_ours(path: Path, dtype: str, device: str, repeats: int, compile_: str = 
         tokens, text = len(stamps), "".join(pieces)
     info = engine.describe()
     return {
+        "mb_per_token": weight_bytes_read(engine._require().model) / 1e6,
         "load_s": load_s,
         "ttft_ms": best_ttft * 1000,
         "decode_tps": best_tps,
@@ -144,6 +180,7 @@ def run_transformers(path: Path, device: str, repeats: int) -> dict:
         best_tps = max(best_tps, (NEW_TOKENS - 1) / max(total - ttft, 1e-9))
         text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     return {
+        "mb_per_token": weight_bytes_read(model) / 1e6,
         "load_s": load_s,
         "ttft_ms": best_ttft * 1000,
         "decode_tps": best_tps,
@@ -220,8 +257,18 @@ def spawn(label: str, threads: int, device: str, repeats: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def print_table(results: list[tuple[str, int, dict]], device: str) -> None:
-    """A rich table, each row's speed relative to the transformers row at the same threads."""
+def measure_bandwidth(threads: int) -> float:
+    """read_bandwidth in a fresh interpreter, as the rows run."""
+    cmd = [sys.executable, __file__, "--bandwidth-worker", "--threads", str(threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def print_table(
+    results: list[tuple[str, int, dict]], device: str, bandwidth: dict[int, float] | None = None
+) -> None:
+    """A rich table, each row's speed relative to the transformers row at the same threads, and
+    to its memory-bound limit at the read bandwidth (GB/s) measured at those threads."""
     from rich.console import Console
     from rich.table import Table
 
@@ -237,6 +284,7 @@ def print_table(results: list[tuple[str, int, dict]], device: str) -> None:
         "decode tok/s",
         "x transformers",
         "x llama.cpp",
+        *(["MB a token", "limit tok/s", "of limit"] if bandwidth else []),
         "peak RSS MB",
         *(["peak GPU MB"] if device == "cuda" else []),
     ):
@@ -257,16 +305,26 @@ def print_table(results: list[tuple[str, int, dict]], device: str) -> None:
             f"{r['decode_tps']:.1f}",
             ratio,
             ratio_lcpp,
+            *(_limit_cells(r, bandwidth[threads]) if bandwidth else []),
             f"{r['peak_rss_mb']:.0f}",
         ]
         if device == "cuda":
             cells.append(f"{r.get('peak_gpu_mb', 0):.0f}")
         table.add_row(*cells)
-    console = Console(width=170)
+    console = Console(width=200)
     console.print(table)
     for label, threads, r in results:
         if "text" in r:
             console.print(f"[dim]{label} @{threads}: {r['text']!r}[/dim]")
+
+
+def _limit_cells(row: dict, gb_s: float) -> list[str]:
+    """MB a token, the tok/s that reading them at `gb_s` allows, and the share of it reached."""
+    mb = row.get("mb_per_token")
+    if not mb:
+        return ["-", "-", "-"]
+    limit = gb_s * 1e3 / mb
+    return [f"{mb:.0f}", f"{limit:.0f}", f"{row['decode_tps'] / limit:.0%}"]
 
 
 def run_gpu(shapes: list[str], schemes: list[str], repeats: int, device: str) -> None:
@@ -313,9 +371,13 @@ def main() -> None:
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--gpu-worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--bandwidth-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.threads[0], args.device, args.repeats)))
+        return
+    if args.bandwidth_worker:
+        print(json.dumps(read_bandwidth(args.threads[0])))
         return
     if args.gpu_worker:
         print(json.dumps(gpu_worker(*args.gpu_worker, args.repeats, args.device)))
@@ -327,9 +389,15 @@ def main() -> None:
     for scheme, group in {(ROWS[r][1], ROWS[r][2]) for r in args.rows}:
         artifact_for(scheme, group)  # build once, up front, outside the timed workers
     results = [(label, t, spawn(label, t, args.device, args.repeats)) for t in threads for label in args.rows]
+    bandwidth = {t: measure_bandwidth(t) for t in threads}
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"{platform.processor() or platform.machine()}, load average {' '.join(load)}")
-    print_table(results, args.device)
+    for t, gb_s in bandwidth.items():
+        print(
+            f"read bandwidth, {t} threads (a sum over {SUM_BYTES >> 30} GiB, best of {SUM_REPEATS}): "
+            f"{gb_s:.1f} GB/s"
+        )
+    print_table(results, args.device, bandwidth)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,8 @@ def test_models_lists_active_then_previous(agent, client, tiny_model_dir_b):
     (only,) = client.models.list().data
     assert only.id == f"{agent.manager.active_info().model}@v1"
     assert (only.status, only.version, only.quantization) == ("active", "v1", "fp32")
-    assert only.kernel == "mkldnn._linear_pointwise"  # fp32 on a CPU
+    # fp32 on a CPU: oneDNN's linear or F.linear, per shape, whichever the load timed faster.
+    assert set(only.kernel.split("+")) <= {"mkldnn._linear_pointwise", "linear"}
     assert agent.reload(tiny_model_dir_b, "v2").ok
     active, previous = client.models.list().data
     assert (active.version, active.status, active.loaded) == ("v2", "active", True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deployer.agent.engines.base import ChatMessage, SamplingParams
-from deployer.agent.engines.qlinear import KERNEL_INT4_CPU, KERNEL_INT8, KERNEL_ONEDNN
+from deployer.agent.engines.qlinear import KERNEL_INT4_CPU, KERNEL_INT8, KERNEL_LINEAR, KERNEL_ONEDNN
 
 pytestmark = pytest.mark.slow
 
@@ -22,23 +22,24 @@ def test_fp32_logits_match_transformers(smollm2_dir, engine_on):
     reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     with torch.inference_mode():
         want = reference(torch.tensor([ids])).logits[0]
-    # Our fp32 layers run oneDNN's linear, transformers' MKL's: the sums differ in the last bits,
-    # which 30 layers grow to about 1.1e-4 at logits of up to 30 (a real bug shows as 1e-2 or more).
+    # Our fp32 layers may run oneDNN's linear (where the load timed it faster), transformers' run
+    # MKL's: the sums differ in the last bits, which 30 layers grow to about 1.1e-4 at logits of
+    # up to 30 (a real bug shows as 1e-2 or more).
     torch.testing.assert_close(engine.logits(ids), want, atol=3e-4, rtol=0)
 
 
 @pytest.mark.parametrize(
-    ("scheme", "group_size", "kernel", "finish"),
+    ("scheme", "group_size", "kernels", "finish"),
     [
-        ("fp32", 128, KERNEL_ONEDNN, "stop"),  # one sentence, then <|im_end|>
-        ("int8", 128, KERNEL_INT8, "stop"),
-        ("int4", 32, KERNEL_INT4_CPU, None),  # a longer (still right) answer may hit the limit
+        ("fp32", 128, {KERNEL_ONEDNN, KERNEL_LINEAR}, "stop"),  # one sentence, then <|im_end|>
+        ("int8", 128, {KERNEL_INT8}, "stop"),
+        ("int4", 32, {KERNEL_INT4_CPU}, None),  # a longer (still right) answer may hit the limit
     ],
 )
-def test_greedy_answer_mentions_paris(scheme, group_size, kernel, finish, smollm2_dir, build, engine_on):
+def test_greedy_answer_mentions_paris(scheme, group_size, kernels, finish, smollm2_dir, build, engine_on):
     directory = smollm2_dir if scheme == "fp32" else build(smollm2_dir, scheme, group_size)
     engine = engine_on(directory, dtype="auto", max_context=512)
-    assert engine.describe().kernel == kernel
+    assert set(engine.describe().kernel.split("+")) <= kernels
     events = list(engine.stream(engine.chat_prompt(QUESTION), SamplingParams(max_tokens=32, temperature=0)))
     text = "".join(e.text for e in events)
     assert "Paris" in text

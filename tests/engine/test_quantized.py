@@ -12,9 +12,13 @@ from deployer.agent.engines.qlinear import (
     KERNEL_INT8,
     KERNEL_LINEAR,
     KERNEL_ONEDNN,
+    ONEDNN_MARGIN,
+    TIMED_SWEEPS,
+    FloatLinear,
     LinearWeights,
     OneDnnLinear,
     build_linear,
+    choose_float_kernels,
 )
 from deployer.build.quantize import quantize_int4, quantize_int8
 from deployer.core.quant_layout import ModuleQuant
@@ -82,7 +86,8 @@ def test_quantized_models_run_an_int8_head_on_a_cpu(tiny_model_dir, build, engin
     float_head = engine_on(artifact, dtype="auto", quantize_head=False)
     assert engine.layer_kernels["lm_head"] == engine.describe().extra["head"] == KERNEL_INT8
     assert float_head.layer_kernels["lm_head"] == KERNEL_LINEAR
-    assert engine_on(tiny_model_dir).layer_kernels["lm_head"] == KERNEL_ONEDNN  # fp32 models keep theirs
+    # fp32 models keep their float head (oneDNN or F.linear, whichever is timed faster here).
+    assert engine_on(tiny_model_dir).layer_kernels["lm_head"] in (KERNEL_ONEDNN, KERNEL_LINEAR)
     ids = engine.encode(PROMPT)
     got, want = engine.logits(ids), float_head.logits(ids)
     assert got.dtype == torch.float32
@@ -165,6 +170,81 @@ def test_fp32_on_a_cpu_runs_onednn_and_falls_back_to_f_linear(monkeypatch):
     layer, kernel = build_linear("m", LinearWeights(weight, bias), None, torch.device("cpu"), torch.float32)
     assert kernel == KERNEL_LINEAR
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias))
+
+
+def _fake_timer(times: dict[tuple[type, int], list[float]]):
+    """A timer that answers, per (layer class, output rows), the next of the listed seconds (the
+    last one repeating): one entry per sweep, the warm-up first."""
+    calls: dict[tuple[type, int], int] = {}
+
+    def timer(layer, x):
+        key = (type(layer), layer.weight.shape[0])
+        n = calls.get(key, 0)
+        calls[key] = n + 1
+        return times[key][min(n // LAYERS_PER_SHAPE, len(times[key]) - 1)]
+
+    return timer
+
+
+LAYERS_PER_SHAPE = 2
+
+
+def test_float_kernels_are_chosen_per_shape_by_their_timings():
+    torch.manual_seed(0)
+    layers = {
+        f"{shape}{i}": OneDnnLinear(torch.randn(rows, 64), torch.randn(rows))
+        for i in range(LAYERS_PER_SHAPE)
+        for shape, rows in (("wide", 96), ("narrow", 32), ("tie", 48))
+    }
+    slow_start = [1e-6] + [2e-3] * TIMED_SWEEPS  # fast only in the warm-up, which must not count
+    timer = _fake_timer(
+        {
+            (OneDnnLinear, 96): [5e-3, 1e-3, 9e-3, 1e-3],  # one noisy sweep: the best one counts
+            (FloatLinear, 96): slow_start,
+            (OneDnnLinear, 32): [3e-3],
+            (FloatLinear, 32): [1e-3],
+            # oneDNN a little faster, but inside the margin: F.linear stays.
+            (OneDnnLinear, 48): [(ONEDNN_MARGIN + 0.05) * 1e-3],
+            (FloatLinear, 48): [1e-3],
+        }
+    )
+    choice = choose_float_kernels(layers, timer)
+    want = {"wide": KERNEL_ONEDNN, "narrow": KERNEL_LINEAR, "tie": KERNEL_LINEAR}
+    assert choice.kernels == {name: want[name[:-1]] for name in layers}
+    x = torch.randn(3, 64)
+    for name, layer in choice.layers.items():
+        assert type(layer) is (OneDnnLinear if want[name[:-1]] == KERNEL_ONEDNN else FloatLinear)
+        assert layer.weight.data_ptr() == layers[name].weight.data_ptr()  # not copied
+        want_y = torch.nn.functional.linear(x, layers[name].weight, layers[name].bias)
+        torch.testing.assert_close(layer(x), want_y, rtol=1e-5, atol=1e-5)
+    # Each shape's sum over its layers, best of the timed sweeps.
+    assert "96x64 mkldnn._linear_pointwise (linear 4.00 ms, oneDNN 2.00 ms)" in choice.note
+    assert "32x64 linear (linear 2.00 ms, oneDNN 6.00 ms)" in choice.note
+
+
+def test_the_loader_runs_each_fp32_layer_on_its_timed_kernel(tiny_model_dir, engine_on, monkeypatch):
+    from deployer.agent.engines import loader
+
+    def f_linear_faster_for_qkv_only(layers):
+        qkv = {m.weight.data_ptr() for n, m in layers.items() if n.endswith("qkv_proj")}
+
+        def timer(layer, x):
+            return 1e-3 if (type(layer) is FloatLinear) == (layer.weight.data_ptr() in qkv) else 2e-3
+
+        return choose_float_kernels(layers, timer)
+
+    monkeypatch.setattr(loader, "choose_float_kernels", f_linear_faster_for_qkv_only)
+    engine = engine_on(tiny_model_dir)
+    kernels = engine.layer_kernels
+    # The fused q/k/v layer is reported under its members' names.
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert kernels[f"model.layers.0.self_attn.{proj}"] == KERNEL_LINEAR
+    assert kernels["model.layers.0.mlp.down_proj"] == kernels["lm_head"] == KERNEL_ONEDNN
+    assert engine.describe().kernel == f"{KERNEL_LINEAR}+{KERNEL_ONEDNN}"
+    assert engine.describe().extra["kernel_choice"].startswith("timed at load, 1 row: ")
+    monkeypatch.undo()
+    ids = engine.encode(PROMPT)
+    torch.testing.assert_close(engine.logits(ids), engine_on(tiny_model_dir).logits(ids), rtol=0, atol=1e-4)
 
 
 def test_a_kernel_wrong_only_for_prefill_sized_inputs_is_not_used(monkeypatch):

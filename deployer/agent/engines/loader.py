@@ -23,8 +23,10 @@ from deployer.agent.engines.qlinear import (
     KERNEL_DEQUANT,
     FloatLinear,
     LinearWeights,
+    OneDnnLinear,
     build_linear,
     check_shapes,
+    choose_float_kernels,
 )
 from deployer.core.fsutil import read_json_object
 from deployer.core.manifest import INTEGER_SCHEMES, MANIFEST_NAME, read_manifest
@@ -60,6 +62,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     kernels: dict[str, str]  # linear module name -> kernel
+    kernel_note: str = "-"  # how fp32 CPU layers chose their kernel (choose_float_kernels)
 
 
 class WeightFiles:
@@ -255,12 +258,36 @@ def build_model(
         head = _int8_head(source, model.lm_head.bias, dev, compute)
         if head is not None:
             model.lm_head, kernels["lm_head"] = head
+    kernel_note = _time_float_kernels(model, kernels)
     _check_all_used(where, weights, used)
     # On a CPU attention runs in fp32 whatever the model's dtype (see llama.KVCache).
     kv_dtype = torch.float32 if dev.type == "cpu" else compute
     model.setup_caches(slots, min(max_context, args.max_position_embeddings), compute, dev, kv_dtype)
     model.eval()
-    return LoadedModel(model, args, facts, config, compute, dev, kernels)
+    return LoadedModel(model, args, facts, config, compute, dev, kernels, kernel_note)
+
+
+def _time_float_kernels(model: Transformer, kernels: dict[str, str]) -> str:
+    """Give every oneDNN layer of `model` the fp32 kernel timed faster here; update `kernels`
+    (a fused layer's under its members' names) and return the timings' note."""
+    onednn = {n: m for n, m in model.named_modules() if isinstance(m, OneDnnLinear)}
+    if not onednn:
+        return "-"
+    choice = choose_float_kernels(onednn)
+    for name, layer in choice.layers.items():
+        _set(model, name, layer)
+        for reported in _reported_names(name):
+            kernels[reported] = choice.kernels[name]
+    return choice.note
+
+
+def _reported_names(module: str) -> list[str]:
+    """The names `kernels` reports module `module` under: a fused one's are its members'."""
+    for fused, members in FUSED_PROJECTIONS.items():
+        if module.endswith("." + fused):
+            prefix = module.removesuffix(fused)
+            return [prefix + m for m in members]
+    return [module]
 
 
 def _integer_quantized(facts: ArtifactFacts) -> bool:

@@ -2,7 +2,8 @@
 
 The artifact stores int8 (per output channel) and int4 (group-wise, asymmetric) weights in one
 layout for every device (docs/artifact-format.md); this module derives the packing the device's
-kernels want (and fp32 weights on a CPU run oneDNN's linear, see OneDnnLinear). For each
+kernels want (fp32 weights on a CPU run oneDNN's linear or MKL's, whichever `choose_float_kernels`
+times faster on this machine). For each
 layer the candidates are tried in order — the fused aten kernel for this
 device first, dequantize-once + `F.linear` last — and a candidate is kept only if it runs and
 agrees with the dequantized reference on a probe input. So an unsupported shape, a missing
@@ -12,6 +13,7 @@ answers. `build_linear` says which kernel it chose; the engine reports it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +46,12 @@ PROBE_TOLERANCE = 5e-2
 # while only the weights are in memory: tuned later, in the capture warm-ups, the int8 kernel's
 # flush buffer (twice the L2, 120 MB on an H200) came on top of the KV cache.
 PROBE_ROWS = (3, 17)
+# choose_float_kernels: sweeps over every fp32 layer (a decode step's weight traffic) per kernel,
+# best of this many after one warm-up sweep (the first touch of mapped pages, oneDNN's JIT).
+TIMED_SWEEPS = 3
+# oneDNN is kept only where it beats F.linear by this factor: a near-tie would otherwise flip
+# between loads, and F.linear's sums are MKL's, the ones transformers computes.
+ONEDNN_MARGIN = 0.9
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,8 @@ class OneDnnLinear(FloatLinear):
 
     At one row a token, decode is a stream over the weights: for SmolLM2's 121 fp32 matrices
     oneDNN read them at 26 GB/s where F.linear (MKL) reached 16 GB/s, 2 threads on the 2-core
-    AMD EPYC; the sums differ from MKL's in the last bits only.
+    AMD EPYC; on the Intel Xeon VM MKL was faster (24 against 18 GB/s), so the loader times both
+    (choose_float_kernels). The sums differ from MKL's in the last bits only.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +147,61 @@ class OneDnnLinear(FloatLinear):
             # Inductor lowers this op only for weights frozen into the graph; F.linear it takes.
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+# Seconds one call of a layer on an input takes (choose_float_kernels; tests pass their own).
+Timer = Callable[[nn.Module, torch.Tensor], float]
+
+
+def time_call(layer: nn.Module, x: torch.Tensor) -> float:
+    """Wall-clock seconds of `layer(x)` (CPU kernels return when done)."""
+    start = time.perf_counter()
+    layer(x)
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class FloatKernelChoice:
+    """What choose_float_kernels picked: the layer to run under each name, its kernel, and a
+    line naming each weight shape's two timings."""
+
+    layers: dict[str, nn.Module]
+    kernels: dict[str, str]
+    note: str
+
+
+@torch.inference_mode()
+def choose_float_kernels(layers: dict[str, OneDnnLinear], timer: Timer = time_call) -> FloatKernelChoice:
+    """oneDNN's linear or F.linear (MKL) for each weight shape of `layers` (fp32, on a CPU, in the
+    order a decode step runs them), whichever a one-row input runs faster.
+
+    Each kernel sweeps all the layers in turn, as decode does, so weights stream from memory
+    rather than from a cache that a single repeated layer would sit in. A shape's time is the
+    sum over its layers, best of TIMED_SWEEPS; oneDNN must win by ONEDNN_MARGIN.
+    """
+    plain: dict[str, nn.Module] = {n: FloatLinear(layer.weight, layer.bias) for n, layer in layers.items()}
+    candidates: dict[str, dict[str, nn.Module]] = {KERNEL_ONEDNN: dict(layers), KERNEL_LINEAR: plain}
+    inputs = {n: torch.randn(1, layer.weight.shape[1]) for n, layer in layers.items()}
+    shapes = {name: tuple(layer.weight.shape) for name, layer in layers.items()}
+    best: dict[tuple[str, tuple[int, ...]], float] = {}
+    for sweep in range(1 + TIMED_SWEEPS):
+        for kernel, chosen in candidates.items():
+            totals: dict[tuple[str, tuple[int, ...]], float] = {}
+            for name, layer in chosen.items():
+                key = (kernel, shapes[name])
+                totals[key] = totals.get(key, 0.0) + timer(layer, inputs[name])
+            if sweep:  # the first is the warm-up
+                best.update({k: min(t, best.get(k, t)) for k, t in totals.items()})
+    winner, notes = {}, []
+    for shape in dict.fromkeys(shapes.values()):
+        onednn, linear = best[(KERNEL_ONEDNN, shape)], best[(KERNEL_LINEAR, shape)]
+        winner[shape] = KERNEL_ONEDNN if onednn < ONEDNN_MARGIN * linear else KERNEL_LINEAR
+        shown = "x".join(map(str, shape))
+        notes.append(f"{shown} {winner[shape]} (linear {linear * 1e3:.2f} ms, oneDNN {onednn * 1e3:.2f} ms)")
+    kernels = {name: winner[shapes[name]] for name in layers}
+    picked = {name: candidates[kernels[name]][name] for name in layers}
+    note = "timed at load, 1 row: " + "; ".join(notes) if notes else "-"
+    return FloatKernelChoice(picked, kernels, note)
 
 
 class _PackedLinear(nn.Module):
@@ -261,7 +325,8 @@ def build_linear(
 
     `layout` None or a float scheme means float weights, used as they are when dtype and device
     already match (a memory-mapped fp32 tensor is not copied); fp32 on a CPU runs oneDNN's linear
-    where it works (OneDnnLinear). Raises FormatError when the tensors contradict the layout.
+    where it works (OneDnnLinear), until choose_float_kernels times it against F.linear. Raises
+    FormatError when the tensors contradict the layout.
     """
     if layout is None or layout.scheme not in INTEGER_SCHEMES:
         if layout is not None:

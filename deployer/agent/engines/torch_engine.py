@@ -502,6 +502,7 @@ class TorchEngine(Engine):
                 "threads": str(torch.get_num_threads()),
                 "kernels": ", ".join(f"{k}={n}" for k, n in sorted(counts.items())),
                 "head": loaded.kernels["lm_head"],
+                "kernel_choice": loaded.kernel_note,
                 "kv_cache": str(loaded.model.kv_dtype).removeprefix("torch."),
                 "architecture": loaded.args.architecture,
                 "slots": str(self._slots),
