@@ -655,12 +655,7 @@ class Scheduler:
             results = self.engine.prefill_many([(r.slot, r.prompt, r.params) for r in admitted])
         except Exception as exc:  # the call itself failed: every request in it
             results = [exc] * len(admitted)
-        for request, result in zip(admitted, results, strict=True):
-            if isinstance(result, Exception):
-                self._fail(request, result)
-            else:
-                request.stepped = self._steps
-                self._advance(request, result)
+        self._deliver(admitted, results)
 
     def _next_group(self, runnable: list[_Request]) -> list[_Request]:
         """The requests the next step advances: `engine.step_group` of them, those whose last token
@@ -674,13 +669,16 @@ class Scheduler:
         try:
             results = self.engine.step([r.slot for r in group])
         except Exception as exc:  # the step itself failed (its forward pass): every request in it
-            for request in group:
-                self._fail(request, exc)
+            self._deliver(group, [exc] * len(group))
             return
         self._steps += 1
         # A request that failed on its own (its grammar, its slot) ends alone: the engine gave the
         # others their tokens as if it had not been in the batch.
-        for request, result in zip(group, results, strict=True):
+        self._deliver(group, results)
+
+    def _deliver(self, requests: list[_Request], results: Sequence[int | Exception]) -> None:
+        """Each request's new token, or its error (which ends it)."""
+        for request, result in zip(requests, results, strict=True):
             if isinstance(result, Exception):
                 self._fail(request, result)
             else:
