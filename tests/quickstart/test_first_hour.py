@@ -271,13 +271,18 @@ def test_a_version_still_on_the_device_is_switched_to_not_sent():
     assert plan.bytes_to_send == 0 and plan.reason == "1.0.0 is still on the device: switch to it"
 
 
-# 9. setup.sh says, before it starts, that the silent llama.cpp compile takes 5-10 minutes.
+# 9. setup.sh says, before it starts, that the silent llama.cpp compile takes 5-10 minutes. The
+# compile is scripts/llamacpp.sh's `pip wheel`, which setup.sh runs before installing the extra.
 def test_setup_announces_the_llama_cpp_compile_before_it_starts():
-    lines = (ROOT / "scripts/setup.sh").read_text().splitlines()
-    compile_at = next(i for i, line in enumerate(lines) if 'install -e "$ROOT[dev,llamacpp]"' in line)
+    setup = (ROOT / "scripts/setup.sh").read_text().splitlines()
+    built_at = next(i for i, line in enumerate(setup) if "scripts/llamacpp.sh" in line and " wheel)" in line)
+    installed_at = next(i for i, line in enumerate(setup) if 'install -e "$ROOT[dev,llamacpp]"' in line)
+    assert built_at < installed_at
+    lines = (ROOT / "scripts/llamacpp.sh").read_text().splitlines()
+    compile_at = next(i for i, line in enumerate(lines) if "pip wheel" in line)
     said = [i for i, line in enumerate(lines[:compile_at]) if line.strip().startswith("log ")]
     assert said and "5-10 minutes" in lines[said[-1]]
-    assert not any("about a minute" in line for line in lines)
+    assert not any("about a minute" in line for line in setup + lines)
 
 
 # 5. examples/seed-003: its devices cannot be reached, so a real apply refuses; so does the dry run.
