@@ -103,8 +103,9 @@ class Arrivals:
 
     Clients often come in bursts (an app's workers, a fan-out): when the engine is idle, the first
     of a burst would start alone and the rest wait for its whole prefill. A scheduler with an idle
-    engine therefore waits for the requests already on their way, at most `SchedulerLimits.gather_s`,
-    and starts them together (one batched prefill). A lone request has none on its way and starts at once."""
+    engine therefore waits for the requests already on their way, at most
+    `SchedulerLimits.gather_s`, and starts them together (one batched prefill). A lone request has
+    none on its way and starts at once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -522,8 +523,7 @@ class Scheduler:
                 self._calls.clear()
                 piece = self._next_piece()
                 expired = self._expire_waiting(now)
-                gather = self._gathering(now)
-                admitted = [] if gather else self._admit()
+                admitted = [] if self._gathering(now) else self._admit()
                 dropped = [r for r in self._running.values() if r.cancelled or self._stalled(r, now)]
                 runnable = [r for r in self._running.values() if not r.paused and not r.cancelled]
                 # A request cancelled while waiting changes the counts and nothing else.
@@ -533,10 +533,7 @@ class Scheduler:
                     break
                 if self._closing and not self._running and not self._waiting:
                     return False
-                deadline = self._next_deadline(now)
-                if gather:
-                    deadline = gather if deadline is None else min(deadline, gather)
-                self._cond.wait(deadline)
+                self._cond.wait(self._next_deadline(now))
         for fn, future in calls:
             _run_call(fn, future)
         if piece is not None:
@@ -639,8 +636,11 @@ class Scheduler:
         return now - request.stalled_since > self.limits.stall_timeout_s
 
     def _next_deadline(self, now: float) -> float | None:
-        """Seconds until a waiting request expires or a paused one is dropped; None: nothing to time."""
+        """Seconds until a waiting request expires, a paused one is dropped or the idle engine stops
+        gathering (see Arrivals); None: nothing to time."""
         deadlines = [r.submitted + self.limits.queue_timeout_s for r in self._waiting]
+        if gather := self._gathering(now):
+            deadlines.append(now + gather)
         deadlines += [
             r.stalled_since + self.limits.stall_timeout_s
             for r in self._running.values()

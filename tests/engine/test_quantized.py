@@ -172,6 +172,9 @@ def test_fp32_on_a_cpu_runs_onednn_and_falls_back_to_f_linear(monkeypatch):
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias))
 
 
+LAYERS_PER_SHAPE = 2
+
+
 def _fake_timer(times: dict[tuple[type, int], list[float]]):
     """A timer that answers, per (layer class, output rows), the next of the listed seconds (the
     last one repeating): one entry per sweep, the warm-up first."""
@@ -184,9 +187,6 @@ def _fake_timer(times: dict[tuple[type, int], list[float]]):
         return times[key][min(n // LAYERS_PER_SHAPE, len(times[key]) - 1)]
 
     return timer
-
-
-LAYERS_PER_SHAPE = 2
 
 
 def test_float_kernels_are_chosen_per_shape_by_their_timings():

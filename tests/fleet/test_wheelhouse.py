@@ -126,29 +126,32 @@ def test_a_second_build_is_served_from_the_cache_and_a_tampered_one_is_rebuilt(
         build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
 
 
-@pytest.mark.parametrize("device_runs_our_builds", [True, False])
-def test_our_own_builds_are_found_only_for_a_device_that_runs_them(
-    agent_house, tmp_path, monkeypatch, device_runs_our_builds
-):
-    # scripts/llamacpp.sh leaves its patched llama-cpp-python in <cache>/llama-cpp/wheels; a click
-    # wheel stands in for it. pip itself is pointed at an empty folder.
+def _our_builds_only(agent_house, tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """scripts/llamacpp.sh's folder of our own builds, holding a click wheel as a stand-in for its
+    llama-cpp-python, in a cache of its own; pip itself is pointed at an empty folder. (our builds
+    folder, the click wheel)"""
     ours = tmp_path / "cache" / "llama-cpp" / "wheels"
     ours.mkdir(parents=True)
-    click = next(agent_house.folder.glob("click-*.whl"))
-    shutil.copy(click, ours)
+    click = Path(shutil.copy(next(agent_house.folder.glob("click-*.whl")), ours))
     monkeypatch.setenv("SITS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nothing-here"))
+    return ours, click
+
+
+def test_our_own_builds_are_found_for_a_device_that_runs_them(agent_house, tmp_path, monkeypatch):
+    ours, click = _our_builds_only(agent_house, tmp_path, monkeypatch)
     target = PipTarget.of(HERE)
-    if not device_runs_our_builds:  # an older glibc than the controller's: our builds may not run
-        older = dataclasses.replace(HERE, libc_version="2.17")
-        target = PipTarget.of(older)
-        assert not target.runs_controller_builds()
-        with pytest.raises(SitsError, match="No matching distribution"):
-            build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
-        return
     house = build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
     assert [w.path.name for w in house.wheels] == [click.name]
     (ours / "llama_cpp_python-0.3.36+sits.0-py3-none-linux_x86_64.whl").write_bytes(b"")
-    assert build_wheelhouse(("click>=8.1",), target, cache=tmp_path).folder != house.folder
+    assert build_wheelhouse(("click>=8.1",), target, cache=tmp_path).folder != house.folder  # a new build
+
+
+def test_our_own_builds_are_not_offered_to_a_device_that_may_not_run_them(agent_house, tmp_path, monkeypatch):
+    _our_builds_only(agent_house, tmp_path, monkeypatch)
+    older = PipTarget.of(dataclasses.replace(HERE, libc_version="2.17"))  # an older glibc than ours
+    assert not older.runs_controller_builds()
+    with pytest.raises(SitsError, match="No matching distribution"):
+        build_wheelhouse(("click>=8.1",), older, cache=tmp_path)

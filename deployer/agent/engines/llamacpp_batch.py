@@ -153,7 +153,7 @@ class BatchContext:
             state.sampler = self._new_sampler(params)
             state.processor, state.logprobs = processor, None
             # Beside the caches that exist, a prompt decoded in this call may be a better donor.
-            known = self._shared(slot, prompt)
+            _, known = self._donor(slot, prompt)
             ahead = max((common_prefix(p, prompt) for _, p in first), default=0)
             (later if min(ahead, len(prompt) - 1) - known >= _SHARE_FROM else first).append(
                 (slot, list(prompt))
@@ -262,7 +262,7 @@ class BatchContext:
         """Cut `slot`'s cache to the longest prefix of `prompt` that it, or another slot whose
         cache is copied over, holds (the prompt's last token always stays to decode)."""
         state = self._slots[slot]
-        donor = self._donor(slot, prompt)
+        donor, _ = self._donor(slot, prompt)
         if donor is not None:
             # The whole stream is copied (llama.cpp copies streams only whole); cut below.
             self._lib.llama_memory_seq_cp(self._memory, donor, slot, -1, -1)
@@ -279,8 +279,9 @@ class BatchContext:
         entries = [
             (token, position, slot, position == len(prompt) - 1)
             for slot, prompt in group
-            for position, token in enumerate(prompt)
-            if position >= len(self._slots[slot].cached)
+            for position, token in enumerate(
+                prompt[len(self._slots[slot].cached) :], len(self._slots[slot].cached)
+            )
         ]
         results: dict[int, int | Exception] = {}
         for start in range(0, len(entries), self._n_batch):
@@ -314,15 +315,10 @@ class BatchContext:
             return exc
         return state.last
 
-    def _shared(self, slot: int, prompt: Sequence[int]) -> int:
-        """How many leading tokens of `prompt` the best cache to start `slot` from holds."""
-        donor = self._donor(slot, prompt)
-        holder = self._slots[slot if donor is None else donor]
-        return min(common_prefix(holder.cached, prompt), len(prompt) - 1)
-
-    def _donor(self, slot: int, prompt: Sequence[int]) -> int | None:
-        """The other slot whose cache holds the longest prefix of `prompt`, when copying it saves
-        decoding at least _SHARE_FROM tokens more than `slot`'s own cache does; else None."""
+    def _donor(self, slot: int, prompt: Sequence[int]) -> tuple[int | None, int]:
+        """(the other slot whose cache holds the longest prefix of `prompt`, when copying it saves
+        decoding at least _SHARE_FROM tokens more than `slot`'s own cache does, else None; how many
+        leading prompt tokens the cache `slot` starts from then holds, at most all but the last)."""
         usable = len(prompt) - 1  # the last prompt token is always decoded
         own = min(common_prefix(self._slots[slot].cached, prompt), usable)
         shared = {
@@ -331,7 +327,9 @@ class BatchContext:
             if other != slot
         }
         best = max(shared, key=lambda other: shared[other], default=None)
-        return best if best is not None and shared[best] - own >= _SHARE_FROM else None
+        if best is not None and shared[best] - own >= _SHARE_FROM:
+            return best, shared[best]
+        return None, own
 
     def _clear(self, slots: int) -> None:
         """Empty the caches of slots 0 to `slots` - 1."""

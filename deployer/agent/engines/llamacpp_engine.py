@@ -315,9 +315,7 @@ class LlamaCppEngine(Engine):
 
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
         """See Engine.prefill; computed on the llama.cpp thread."""
-        loaded = self._require()
-        processor = self._processor(loaded, params)
-        return _on_llama_thread(loaded.batch.prefill, slot, list(prompt), params, processor)
+        return token_of(self.prefill_many([(slot, prompt, params)])[0])
 
     def prefill_many(
         self, items: Sequence[tuple[int, Sequence[int], SamplingParams]]
