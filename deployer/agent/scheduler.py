@@ -694,9 +694,10 @@ class Scheduler:
         except Exception as exc:
             self._fail(request, exc)
             return
-        request.push(event)
         if event.finish_reason is not None:
+            # Before the last event: a client that sends its next request on it finds the slot free.
             self._release(request)
+        request.push(event)
 
     def _fail(self, request: _Request, error: Exception) -> None:
         """End the request with `error`, its slot freed."""

@@ -237,6 +237,35 @@ def test_the_queue_is_bounded_and_a_cancelled_request_frees_its_slot(make, wait_
     wait_until(lambda: scheduler.counts() == SchedulerCounts(0, 0), "every slot freed")
 
 
+class HeldRelease(EngineWrapper):
+    """A real engine whose `release` waits for `let_go` (after setting `releasing`)."""
+
+    def __init__(self, engine, releasing: threading.Event, let_go: threading.Event) -> None:
+        self._engine, self._releasing, self._let_go = engine, releasing, let_go
+
+    def release(self, slot: int) -> None:
+        self._releasing.set()
+        assert self._let_go.wait(60), "the test never let the release go"
+        self._engine.release(slot)
+
+
+def test_a_request_ends_for_its_client_after_its_slot_is_free(make):
+    # A client that sends its next request on the last event of the one before must find the slot
+    # free (one slot and no queue would refuse it), so the last event waits for the release. Passing
+    # never depends on timing; a last event handed over before the release is seen within 0.5 s.
+    releasing, let_go, ended = threading.Event(), threading.Event(), threading.Event()
+    scheduler = make(slots=1, queue_length=0, wrap=lambda e: HeldRelease(e, releasing, let_go))
+    generation = scheduler.submit(PROMPTS[0], GREEDY)
+    consumer = threading.Thread(target=lambda: (_tokens(generation), ended.set()))
+    consumer.start()
+    assert releasing.wait(60)
+    assert not ended.wait(0.5)  # the slot is still being freed: the client has not had its end
+    let_go.set()
+    consumer.join(60)
+    assert ended.is_set()
+    assert len(_tokens(scheduler.submit(PROMPTS[1], GREEDY))) == 16  # admitted, not refused
+
+
 def test_a_consumer_that_stops_reading_is_dropped_and_the_others_go_on(make, wait_until):
     scheduler = make(buffer_events=2, stall_timeout_s=0.2)
     stalled = scheduler.submit(PROMPTS[0], LONG)
