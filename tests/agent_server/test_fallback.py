@@ -83,6 +83,33 @@ def fallback(upstream: AgentServer, up_model: str) -> Callable[..., FallbackSett
     return make
 
 
+class _Holder(threading.Thread):
+    """A greedy 100-token request on its own thread: it takes a slot of a gated engine and holds it
+    (its greedy first token is no end token, so it reaches a decode step). Whatever ends it is kept,
+    so a request refused or failed says so instead of leaving the test waiting."""
+
+    def __init__(self, agent: AgentServer, model: str) -> None:
+        super().__init__()
+        self._agent, self._model = agent, model
+        self.error: Exception | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            _client(self._agent).chat.completions.create(
+                model=self._model, messages=QUESTION, max_tokens=100, temperature=0
+            )
+        except Exception as exc:  # kept for wait_generating's message
+            self.error = exc
+
+    def wait_generating(self, generating: threading.Event) -> None:
+        """Until the engine holds this request mid-generation; fails with what ended it instead."""
+        deadline = time.monotonic() + 60
+        while not generating.wait(0.05):
+            assert self.is_alive(), f"the holding request ended before a decode step: {self.error!r}"
+            assert time.monotonic() < deadline, "the holding request never reached a decode step"
+
+
 def _upstream_answer(upstream: AgentServer, up_model: str, **extra: object) -> str:
     return _chat(upstream, up_model, **extra)[1].choices[0].message.content
 
@@ -273,17 +300,13 @@ def test_overloaded_goes_upstream(start_agent, fallback, gated, model_name):
     edge = start_agent(
         factory=factory, max_concurrent=1, queue_length=0, max_tokens=150, fallback=fallback(deadline_ms=None)
     )
-    holder = threading.Thread(
-        target=lambda: _client(edge).chat.completions.create(
-            model=model_name, messages=QUESTION, max_tokens=100
-        )
-    )
-    holder.start()
-    assert generating.wait(60)
+    holder = _Holder(edge, model_name)
+    holder.wait_generating(generating)
     headers, _ = _chat(edge, model_name)
     assert (headers["x-sits-served-by"], headers["x-sits-fallback-reason"]) == ("upstream", "overloaded")
     gate.set()
     holder.join(60)
+    assert holder.error is None, holder.error
     assert edge.metrics.value("sits_fallbacks_total", reason="overloaded") == 1
 
 
@@ -291,17 +314,13 @@ def test_overloaded_trigger_off_keeps_the_429(start_agent, fallback, gated, mode
     factory, gate, generating = gated
     settings = fallback(deadline_ms=None, overloaded=False)
     edge = start_agent(factory=factory, max_concurrent=1, queue_length=0, max_tokens=150, fallback=settings)
-    holder = threading.Thread(
-        target=lambda: _client(edge).chat.completions.create(
-            model=model_name, messages=QUESTION, max_tokens=100
-        )
-    )
-    holder.start()
-    assert generating.wait(60)
+    holder = _Holder(edge, model_name)
+    holder.wait_generating(generating)
     with pytest.raises(openai.RateLimitError):
         _chat(edge, model_name)
     gate.set()
     holder.join(60)
+    assert holder.error is None, holder.error
 
 
 def test_a_late_first_token_goes_upstream_and_a_stream_never_mixes(
@@ -338,18 +357,14 @@ def test_the_estimate_sends_a_request_upstream_before_it_starts(start_agent, fal
     # One timed request (4 tokens, so at least 0.6 s on the engine), then one that holds the engine.
     headers, _ = _chat(edge, model_name, max_tokens=4)
     assert headers["x-sits-served-by"] == "edge"
-    holder = threading.Thread(
-        target=lambda: _client(edge).chat.completions.create(
-            model=model_name, messages=QUESTION, max_tokens=100
-        )
-    )
-    holder.start()
-    assert generating.wait(60)
+    holder = _Holder(edge, model_name)
+    holder.wait_generating(generating)
     headers, reply = _chat(edge, model_name)
     assert (headers["x-sits-served-by"], headers["x-sits-fallback-reason"]) == ("upstream", "deadline")
     assert reply.model_extra["sits"]["detail"].startswith("estimated first token in ")
     gate.set()
     holder.join(60)
+    assert holder.error is None, holder.error
 
 
 # -- the request the upstream is sent ---------------------------------------------------------------
