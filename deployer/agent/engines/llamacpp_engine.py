@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -195,7 +196,15 @@ class LlamaCppEngine(Engine):
 
         vocab = self._llama_cpp.llama_model_get_vocab(llm.model)
         n = llm.n_vocab()
-        return Vocabulary(lambda: lltokenizer_from_vocab(vocab, n_vocab=n, eos_token=sorted(end_ids)), n)
+
+        def build() -> Any:
+            # llguidance reads each token through a llama.cpp call its bindings mark deprecated: one
+            # warning per token (49,152 for SmolLM2) says nothing we can act on.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "llama_token_get_attr is deprecated", DeprecationWarning)
+                return lltokenizer_from_vocab(vocab, n_vocab=n, eos_token=sorted(end_ids))
+
+        return Vocabulary(build, n)
 
     def warmup(self) -> None:
         """A short greedy generation, so buffers and threads are ready for the first request; then
