@@ -190,7 +190,27 @@ def make_tiny_checkpoint(
     # PreTrainedModel.to is @wraps(nn.Module.to), which types the bound method as the unbound one.
     model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     model.save_pretrained(dest, safe_serialization=True)
+    _pin_writer_version(dest)
     return dest
+
+
+# transformers stamps its own version into config.json and generation_config.json. The stamp says
+# who wrote the files, not what the model is, yet it changed the tiny checkpoint's bytes (and every
+# hash the tests pin: tests/layout's wire-format goldens) with each transformers release.
+TINY_WRITER_VERSION = "5.24.0"  # what the goldens were made with
+
+
+def _pin_writer_version(dest: Path) -> None:
+    """Replace the writer's version stamp in the checkpoint's JSON files by TINY_WRITER_VERSION,
+    byte for byte otherwise (the same formatting as transformers wrote)."""
+    import transformers
+
+    stamp = f'"transformers_version": "{transformers.__version__}"'
+    for name in ("config.json", "generation_config.json"):
+        path = dest / name
+        if path.is_file():
+            text = path.read_text()
+            path.write_text(text.replace(stamp, f'"transformers_version": "{TINY_WRITER_VERSION}"'))
 
 
 def make_smollm2_variant(dest: Path, *, seed: int = 1, layers: int = 2) -> Path:
