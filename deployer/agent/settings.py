@@ -9,6 +9,7 @@ a typo must not silently fall back to a default on a device nobody is watching. 
     queue_length: 16         # waiting for a slot beyond those; more: 429 + Retry-After
     max_tokens: 512
     swap_policy: auto        # side-by-side when MemAvailable holds both models, else unload-first
+    device: auto             # cuda when torch sees a CUDA device, else cpu (default: cpu)
     smoke_prompts:
       - prompt: "What is the capital of France?"
         expect: Paris
@@ -90,7 +91,11 @@ class AgentSettings(BaseModel):
     tls_keyfile: Path | None = None
     root: Path = Field(default=Path("/"), description="prefix of /etc/sits and /var/lib/sits")
     engine: Literal["torch", "llama.cpp"] = "torch"
-    device: Literal["cpu", "cuda"] = "cpu"
+    # cpu by default, as before "auto" existed: an agent.yaml written by hand (or by an older
+    # controller) keeps running where it ran; the controller writes deploy.yaml's choice (auto).
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="cpu", description="auto: cuda when torch sees a CUDA device, else cpu"
+    )
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; None: torch's")
     context_length: int = Field(default=2048, ge=16, description="cap on the engine's KV cache")
     smoke_prompts: tuple[SmokePrompt, ...] = (SmokePrompt(prompt="Hello"),)

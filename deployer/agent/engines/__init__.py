@@ -20,7 +20,8 @@ def make_engine(
 ) -> Engine:
     """A new, unloaded engine of the named kind ("torch" or "llama.cpp"); `slots` is how many
     sequences its batched step runs together (agent.yaml's max_concurrent; None: the engine's
-    default).
+    default). `device` is "cpu", "cuda" or "auto" (the torch engine: CUDA when torch sees a CUDA
+    device, else the CPU; llama.cpp: the CPU).
 
     Raises AgentError for an unknown name or an engine whose optional dependency is missing.
     """
@@ -30,9 +31,10 @@ def make_engine(
 
         return TorchEngine(device=device, max_context=context_length, threads=threads, slots=slots)
     if name == "llama.cpp":
-        if device != "cpu":
+        if device not in ("cpu", "auto"):
             raise AgentError(
-                f"the llama.cpp engine runs on the CPU here, not {device}", hint="set `device: cpu`"
+                f"the llama.cpp engine runs on the CPU here, not {device}",
+                hint="set `device: cpu` or `device: auto`",
             )
         from deployer.agent.engines.llamacpp_engine import LlamaCppEngine
 
