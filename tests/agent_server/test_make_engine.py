@@ -1,5 +1,6 @@
-"""The engine factory the server uses: torch by name, a clear refusal for an unknown name, and
-`device: auto` resolved where the engine is made, with its reason shown."""
+"""The engine factory the server uses: torch by name, a clear refusal for an unknown name,
+`device: auto` resolved where the engine is made, with its reason shown, and agent.yaml's device
+and compile reaching the engine."""
 
 import pytest
 import torch
@@ -7,6 +8,8 @@ import torch
 from deployer.agent.engines import make_engine
 from deployer.agent.engines.base import Engine
 from deployer.agent.engines.torch_engine import choose_device
+from deployer.agent.http.server import engine_factory_for
+from deployer.agent.settings import AgentSettings
 from deployer.errors import AgentError
 
 # The CI machine has no GPU: the CUDA branch of `device: auto` cannot run here. What auto *chooses*
@@ -54,3 +57,47 @@ def test_an_explicit_cuda_without_a_gpu_stays_an_error():
     with pytest.raises(AgentError, match="device cuda was asked for but torch sees no CUDA device") as info:
         make_engine("torch", device="cuda")
     assert "device: auto" in info.value.hint
+
+
+def _failing_compile(fn, *args, **kwargs):
+    """Stands in for torch.compile: the compiled step fails at its first call, as it does on a
+    device without a C++ compiler. Compiling for real takes minutes on the CI machine's two cores;
+    the note the failure leaves shows that the engine was asked to compile."""
+
+    def fail(*a, **k):
+        raise RuntimeError("no C++ compiler found")
+
+    return fail
+
+
+@needs_no_gpu
+@pytest.mark.parametrize(
+    ("compile_setting", "note"),
+    [
+        ("on", "off (compile failed: RuntimeError: no C++ compiler found)"),
+        ("auto", "off"),  # auto compiles on CUDA only
+        ("off", "off"),
+    ],
+)
+def test_agent_yaml_compile_and_device_reach_the_engine(tiny_model_dir, monkeypatch, compile_setting, note):
+    monkeypatch.setattr(torch, "compile", _failing_compile)
+    settings = AgentSettings(
+        compile=compile_setting,
+        device="auto",
+        threads=1,
+        context_length=128,
+        max_prompt_tokens=64,
+        max_concurrent=2,
+    )
+    engine = engine_factory_for(settings)()
+    engine.load(tiny_model_dir)
+    extra = engine.describe().extra
+    assert extra["compile"] == note
+    assert extra["device_choice"].startswith("cpu (auto: ")
+    assert (extra["slots"], engine.describe().context_length) == ("2", 128)
+
+
+def test_the_llama_cpp_engine_refuses_compile_on():
+    with pytest.raises(AgentError, match="nothing to compile") as info:
+        make_engine("llama.cpp", compile="on")
+    assert "compile: auto" in info.value.hint
