@@ -98,6 +98,8 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
         "port": site.port,
         "root": site.root,
         "engine": config.agent.engine,
+        "device": config.agent.device,
+        "compile": config.agent.compile,
         "max_concurrent": config.agent.max_concurrent,
         "queue_length": config.agent.queue_length,
         "max_tokens": config.agent.max_tokens,

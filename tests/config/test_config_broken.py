@@ -84,6 +84,16 @@ CASES = [
         (20, 18, "resources.cpu", "is implausible for an edge device"),
     ),
     (
+        "unknown-agent-device",
+        {"append": "agent:\n  device: gpu\n"},
+        (21, 11, "agent.device", "unknown value 'gpu'; expected 'auto', 'cpu' or 'cuda'"),
+    ),
+    (
+        "unknown-compile",
+        {"append": "agent:\n  compile: always\n"},
+        (21, 12, "agent.compile", "unknown value 'always'; expected 'auto', 'on' or 'off'"),
+    ),
+    (
         "duplicate-device",
         {"replace": (("name: d2", "name: d1"),)},
         (13, 13, "fleet.devices[1].name", "duplicate device name 'd1'"),
@@ -229,6 +239,17 @@ def test_the_base_config_is_valid(write_config):
     config = load_config(path, environ={})
     assert [d.name for d in config.fleet.devices] == ["d1", "d2"]
     assert config.resolve("fleet/d1") == path.parent / "fleet/d1"
+
+
+def test_agent_device_and_compile_defaults_and_bare_on(write_config):
+    assert load_config(write_config(), environ={}).agent.model_dump(include={"device", "compile"}) == {
+        "device": "auto",
+        "compile": "auto",
+    }
+    # YAML 1.1 reads a bare on/off as true/false; they mean the words written.
+    config = load_config(write_config(append="agent:\n  device: cpu\n  compile: on\n"), environ={})
+    assert (config.agent.device, config.agent.compile) == ("cpu", "on")
+    assert load_config(write_config(append="agent: {compile: off}\n"), environ={}).agent.compile == "off"
 
 
 def test_every_problem_is_reported_in_one_run(write_config):
