@@ -40,6 +40,7 @@ from pathlib import Path
 import uvicorn
 from starlette.types import ASGIApp
 
+from deployer.agent.compile_cache import use_store_caches
 from deployer.agent.engines.base import Engine
 from deployer.agent.fallback.source import FallbackSource
 from deployer.agent.hotswap import ModelManager, SwapResult
@@ -304,6 +305,9 @@ def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | N
     systemd's OnFailure= rollback unit can return the device to the previous version.
     """
     configure_journal_logging()
+    # Before any engine loads: torch reads these when it first compiles.
+    caches = use_store_caches(settings.state_dir)
+    lifecycle_event("compile-caches", version=None, reason="inductor and Triton caches", **caches)
     server = AgentServer(settings, engine_factory or engine_factory_for(settings))
     server.start()
     result = server.reload(reason="start")
