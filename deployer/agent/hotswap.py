@@ -296,6 +296,7 @@ class ModelManager:
         phase: Phase = "load"
         try:
             scheduler.run(lambda: engine.load(artifact_dir))
+            _loaded_event(engine, version)
             self._check_deadline(started, phase)
             phase = "warmup"
             scheduler.run(engine.warmup)
@@ -387,6 +388,17 @@ class ModelManager:
             smoke_ms=smoke_ms,
             restored=restored,
         )
+
+
+def _loaded_event(engine: Engine, version: str) -> None:
+    """One journal line per load: where the model runs and why (auto may have chosen the CPU on a
+    device meant to use its GPU), and whether decode is compiled: what load time and speed hinge on."""
+    info = engine.describe()
+    compiled = {"compile": info.extra["compile"]} if "compile" in info.extra else {}  # torch only
+    reason = info.extra.get("device_choice", info.device)
+    lifecycle_event(
+        "loaded", version=version, reason=reason, engine=info.engine, device=info.device, **compiled
+    )
 
 
 def _quietly_unload(engine: Engine) -> None:

@@ -9,6 +9,8 @@ a typo must not silently fall back to a default on a device nobody is watching. 
     queue_length: 16         # waiting for a slot beyond those; more: 429 + Retry-After
     max_tokens: 512
     swap_policy: auto        # side-by-side when MemAvailable holds both models, else unload-first
+    device: auto             # cuda when torch sees a CUDA device, else cpu (default: cpu)
+    compile: auto            # torch engine: on compiles decode on a CPU too (minutes at first load)
     smoke_prompts:
       - prompt: "What is the capital of France?"
         expect: Paris
@@ -26,10 +28,10 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
 from deployer.agent.fallback.settings import FallbackSettings
@@ -38,6 +40,13 @@ from deployer.errors import ConfigError
 __all__ = ["AgentSettings", "SmokePrompt", "load_settings"]
 
 DEFAULT_SETTINGS_PATH = Path("/etc/sits/agent.yaml")
+
+
+def _on_off(value: object) -> object:
+    """YAML 1.1 reads a bare `on` / `off` as true / false: take them as the words that were written."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
 
 
 class SmokePrompt(BaseModel):
@@ -90,7 +99,16 @@ class AgentSettings(BaseModel):
     tls_keyfile: Path | None = None
     root: Path = Field(default=Path("/"), description="prefix of /etc/sits and /var/lib/sits")
     engine: Literal["torch", "llama.cpp"] = "torch"
-    device: Literal["cpu", "cuda"] = "cpu"
+    # cpu by default, as before "auto" existed: an agent.yaml written by hand (or by an older
+    # controller) keeps running where it ran; the controller writes deploy.yaml's choice (auto).
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="cpu", description="auto: cuda when torch sees a CUDA device, else cpu"
+    )
+    compile: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = Field(
+        default="auto",
+        description="torch engine: compile decode with inductor; auto: on CUDA only (a CPU's first "
+        "compile takes minutes and needs a C++ compiler)",
+    )
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; None: torch's")
     context_length: int = Field(default=2048, ge=16, description="cap on the engine's KV cache")
     smoke_prompts: tuple[SmokePrompt, ...] = (SmokePrompt(prompt="Hello"),)

@@ -13,6 +13,7 @@ import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from deployer.config import fit
@@ -23,6 +24,7 @@ from deployer.config.models import (
     AgentSettings,
     Device,
     Fallback,
+    Health,
     Hooks,
     ModelSpec,
     Profile,
@@ -32,9 +34,14 @@ from deployer.config.models import (
     Strategy,
     merge_fallbacks,
 )
+from deployer.config.quantity import format_duration
 from deployer.config.sourcemap import SourceMap
 
 GGUF_BLOCK = 32  # weights per GGUF 4-bit block (Q4_0/Q4_1)
+# The readiness timeout below which `compile: on` on a CPU is warned about: the first compile of
+# SmolLM2-135M's decode step took 258-354 s on two slow cores, before warm-up and smoke prompts,
+# and a larger model compiles a larger graph.
+CPU_COMPILE_READINESS = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class CheckInput:
     resources: Resources | None = None
     hooks: Hooks | None = None
     agent: AgentSettings | None = None
+    health: Health | None = None
     secrets: bool = True  # False for commands that sign nothing: an encrypted key is not opened
     fallback: Fallback | None = None
 
@@ -80,7 +88,7 @@ def run_checks(given: CheckInput) -> list[Finding]:
         given.profiles, given.resources, given.positions
     )
     shape, model_findings = _model_findings(given)
-    findings += model_findings + _engine_findings(given) + _fallback_findings(given)
+    findings += model_findings + _engine_findings(given) + _agent_findings(given) + _fallback_findings(given)
     if given.fleet is not None and given.profiles is not None:
         used = {d.profile for d in given.fleet if d.profile}
         findings += fit.quota_findings(given.resources, given.profiles, used, given.positions)
@@ -253,6 +261,50 @@ def _engine_findings(given: CheckInput) -> list[Finding]:
         for path, size in uses
         if llama_cpp and size != GGUF_BLOCK
     ]
+
+
+def _agent_findings(given: CheckInput) -> list[Finding]:
+    """Device and compile settings the engine cannot honour, and a CPU compile longer than the
+    health gate waits.
+
+    The slow compile is a warning, not an error: how long it takes depends on the device's cores
+    and on whether inductor's on-disk cache there already holds the graphs, and under
+    `device: auto` a GPU device compiles with `compile: auto` as well; validate can know none of it.
+    """
+    agent = given.agent
+    if agent is None:
+        return []
+    findings = []
+    if agent.engine == "llama.cpp" and agent.compile == "on":
+        findings.append(
+            given.positions.finding(
+                ("agent", "compile"),
+                "compile: on means nothing for agent.engine llama.cpp, which has no compile step "
+                "(the agent refuses it at load)",
+                "remove agent.compile, or use agent.engine: torch",
+            )
+        )
+    if agent.engine == "llama.cpp" and agent.device == "cuda":
+        findings.append(
+            given.positions.finding(
+                ("agent", "device"),
+                "agent.engine llama.cpp runs on the CPU: device cuda would fail at load",
+                "set agent.device: auto (or cpu), or use agent.engine: torch for the GPU",
+            )
+        )
+    health = given.health
+    slow = agent.engine == "torch" and agent.compile == "on" and agent.device != "cuda"
+    if slow and health is not None and health.readiness_timeout < CPU_COMPILE_READINESS:
+        warning = given.positions.finding(
+            ("agent", "compile"),
+            f"compile: on compiles the whole decode step at load on a CPU: the first time took "
+            f"258-354 s for SmolLM2-135M on two slow cores, and health.readiness_timeout is "
+            f"{format_duration(health.readiness_timeout)}, so the health gate may roll the device back",
+            f"set health.readiness_timeout: {format_duration(CPU_COMPILE_READINESS)} (or more), "
+            "or compile: auto (compile on CUDA only)",
+        )
+        findings.append(dataclasses.replace(warning, severity="warning"))
+    return findings
 
 
 def _int4_group_sizes(quant: Quantization) -> list[tuple[tuple, int]]:

@@ -31,7 +31,17 @@ MAX_CONFIG_BYTES = 4 * 1024 * 1024
 MAX_CONFIG_BYTES_ENV = "SITS_MAX_CONFIG_BYTES"
 
 # The sections the checks look at, by field name; the fleet is merged with its inventory first.
-_CHECKED_SECTIONS = ("model", "signing", "profiles", "strategy", "resources", "hooks", "agent", "fallback")
+_CHECKED_SECTIONS = (
+    "model",
+    "signing",
+    "profiles",
+    "strategy",
+    "resources",
+    "hooks",
+    "agent",
+    "health",
+    "fallback",
+)
 
 
 @dataclass

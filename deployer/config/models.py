@@ -553,10 +553,36 @@ class ApiKeys(_Model):
         return self
 
 
+def _on_off(value: Any) -> Any:
+    """YAML 1.1 reads a bare `on` / `off` as true / false: take them as the words that were written."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
 class AgentSettings(_Model):
     """The device agent's serving settings."""
 
     engine: Literal["torch", "llama.cpp"] = "torch"
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"],
+        Field(
+            description="Where the model runs. auto: the GPU when torch on the device sees a CUDA "
+            "device, else the CPU (`/v1/models` and the agent's journal say which and why). cuda: "
+            "the GPU, or the load fails. The llama.cpp engine runs on the CPU (auto); it refuses cuda."
+        ),
+    ] = "auto"
+    compile: Annotated[
+        Literal["auto", "on", "off"],
+        BeforeValidator(_on_off),
+        Field(
+            description="Whether the torch engine compiles decode with inductor. auto: on CUDA only. "
+            "on: on a CPU too, for faster decode (1.8x on SmolLM2 int4), but the first load compiles "
+            "for minutes (258-354 s on two slow cores; later loads reuse the cache under "
+            "/var/lib/sits/cache) and needs a C++ compiler and the Python headers on the device: "
+            "`health.readiness_timeout` must cover it. Not for llama.cpp."
+        ),
+    ] = "auto"
     # Loopback by default; beyond it every route but /healthz and /readyz needs an API key.
     host: IPvAnyAddress = IPv4Address("127.0.0.1")
     api_keys: ApiKeys | None = None

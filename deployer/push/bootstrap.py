@@ -98,6 +98,8 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
         "port": site.port,
         "root": site.root,
         "engine": config.agent.engine,
+        "device": config.agent.device,
+        "compile": config.agent.compile,
         "max_concurrent": config.agent.max_concurrent,
         "queue_length": config.agent.queue_length,
         "max_tokens": config.agent.max_tokens,
@@ -148,11 +150,13 @@ def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[st
             files[f"{KEYS_DIR}/{path.stem}.pub"] = path.read_bytes()
         # The agent reads its k-of-n signature threshold from here (absent means 1).
         files[f"{KEYS_DIR}/threshold"] = f"{config.signing.threshold}\n".encode()
+    device = next(d for d in config.fleet.devices if d.name == site.name)
     params = None
     if systemd:
         from deployer.push.units import UnitParams, render_units
 
-        params = UnitParams.from_config(config)
+        # With the device: its profile decides PrivateDevices= (an accelerator needs its nodes).
+        params = UnitParams.from_config(config, device)
         params = UnitParams(
             **{
                 **params.__dict__,
@@ -162,7 +166,6 @@ def desired_files(config: Config, site: DeviceSite, *, systemd: bool) -> dict[st
         )
         for name, text in render_units(params).items():
             files[f"{UNIT_DIR}/{name}"] = text.encode()
-    device = next(d for d in config.fleet.devices if d.name == site.name)
     return files | fallback_files(config, device) | pull_files(config, device, params)
 
 

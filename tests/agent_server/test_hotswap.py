@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 import threading
 
@@ -25,6 +27,24 @@ def test_broken_artifact_is_refused_and_the_old_keeps_serving(start_agent, broke
 def _manager(**overrides):
     settings = AgentSettings(port=0, context_length=256, max_prompt_tokens=128, **overrides)
     return ModelManager(lambda: make_engine("torch", context_length=256, threads=1), settings)
+
+
+def test_each_load_logs_where_the_model_runs_and_why(tiny_model_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="sits.agent"):
+        assert _manager().swap_to(tiny_model_dir, "v1").ok
+    prefix = "sits-agent event "
+    events = [
+        json.loads(r.getMessage()[len(prefix) :]) for r in caplog.records if r.getMessage().startswith(prefix)
+    ]
+    (loaded,) = [e for e in events if e["event"] == "loaded"]
+    assert loaded == {
+        "event": "loaded",
+        "version": "v1",
+        "reason": "cpu (asked for)",  # _manager's factory makes the engine with the default device
+        "engine": "torch",
+        "device": "cpu",
+        "compile": "off",
+    }
 
 
 def test_smoke_over_the_latency_budget_refuses_the_swap(tiny_model_dir):

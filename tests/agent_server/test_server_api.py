@@ -113,6 +113,9 @@ def test_models_lists_active_then_previous(agent, client, tiny_model_dir_b):
     assert (only.status, only.version, only.quantization) == ("active", "v1", "fp32")
     # fp32 on a CPU: oneDNN's linear or F.linear, per shape, whichever the load timed faster.
     assert set(only.kernel.split("+")) <= {"mkldnn._linear_pointwise", "linear"}
+    # The engine's own facts come along: on a CPU the KV cache is fp32 and compile stays off.
+    assert (only.extra["kv_cache"], only.extra["compile"]) == ("float32", "off")
+    assert only.extra == agent.manager.active_info().extra
     assert agent.reload(tiny_model_dir_b, "v2").ok
     active, previous = client.models.list().data
     assert (active.version, active.status, active.loaded) == ("v2", "active", True)

@@ -78,3 +78,27 @@ def test_not_a_mapping_and_missing_file(tmp_path):
         load_settings(_write(tmp_path, "- a\n- b\n"))
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings(tmp_path / "absent.yaml")
+
+
+def test_device_is_read_and_a_bad_one_names_its_line(tmp_path):
+    assert load_settings(_write(tmp_path, "device: auto\n")).device == "auto"
+    # Without the key an agent runs where it ran before `auto` existed; the controller always writes it.
+    assert AgentSettings().device == "cpu"
+    path = _write(tmp_path, "port: 9000\ndevice: gpu\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    (finding,) = info.value.findings
+    assert finding.startswith(f"{path}:2: device: Input should be 'auto', 'cpu' or 'cuda'")
+
+
+def test_compile_defaults_to_auto_and_a_bad_one_names_its_line(tmp_path):
+    assert AgentSettings().compile == "auto"
+    # YAML 1.1 reads a bare on/off as true/false; they mean the words written.
+    assert load_settings(_write(tmp_path, "compile: on\n")).compile == "on"
+    assert load_settings(_write(tmp_path, "compile: off\n")).compile == "off"
+    assert load_settings(_write(tmp_path, "compile: 'on'\n")).compile == "on"
+    path = _write(tmp_path, "port: 9000\ncompile: sometimes\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    (finding,) = info.value.findings
+    assert finding.startswith(f"{path}:2: compile: Input should be 'auto', 'on' or 'off'")

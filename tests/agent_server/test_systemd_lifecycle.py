@@ -96,6 +96,9 @@ def test_notify_reload_on_sighup_and_journal_lines(tmp_path, device_root):
     sock.settimeout(120)
     env = {**os.environ, "PYTHONPATH": str(REPO), "NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "200000"}
     env.pop("WATCHDOG_PID", None)
+    # inductor's cache goes under the store; Triton's stays where the operator put it.
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "operator-triton")
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVE, str(config)], env=env, stderr=subprocess.PIPE, text=True
     )
@@ -104,6 +107,7 @@ def test_notify_reload_on_sighup_and_journal_lines(tmp_path, device_root):
     try:
         port = journal.port()
         assert _wait_for(sock, "READY", seen)["STATUS"] == "serving v1"
+        assert (device_root.base / "cache/inductor").is_dir()
         assert _get_json(port, "/v1/models")["data"][0]["version"] == "v1"
         _wait_for(sock, "WATCHDOG", seen)
 
@@ -126,7 +130,14 @@ def test_notify_reload_on_sighup_and_journal_lines(tmp_path, device_root):
     events = [json.loads(line.split(PREFIX, 1)[1]) for line in stderr.splitlines() if PREFIX in line]
     assert all(line.startswith("<") for line in stderr.splitlines() if PREFIX in line)  # journald priority
     names = [e["event"] for e in events]
-    assert names[0] == "listening"
+    assert names[0] == "compile-caches"  # before anything loads
+    assert (events[0]["TORCHINDUCTOR_CACHE_DIR"], events[0]["TRITON_CACHE_DIR"]) == (
+        str(device_root.base / "cache/inductor"),
+        str(tmp_path / "operator-triton"),
+    )
+    assert names[1] == "listening"
+    loaded = [(e["version"], e["device"], e["reason"]) for e in events if e["event"] == "loaded"]
+    assert loaded == [("v1", "cpu", "cpu (asked for)"), ("v2", "cpu", "cpu (asked for)")]  # the default
     swaps = [(e["version"], e["reason"]) for e in events if e["event"] == "swap-started"]
     assert swaps == [("v1", "start"), ("v2", "sighup")]
     assert {"event": "swap-succeeded", "version": "v2"}.items() <= next(

@@ -84,6 +84,31 @@ CASES = [
         (20, 18, "resources.cpu", "is implausible for an edge device"),
     ),
     (
+        "unknown-agent-device",
+        {"append": "agent:\n  device: gpu\n"},
+        (21, 11, "agent.device", "unknown value 'gpu'; expected 'auto', 'cpu' or 'cuda'"),
+    ),
+    (
+        "unknown-compile",
+        {"append": "agent:\n  compile: always\n"},
+        (21, 12, "agent.compile", "unknown value 'always'; expected 'auto', 'on' or 'off'"),
+    ),
+    (
+        "compile-on-llama-cpp",
+        {"append": "agent:\n  engine: llama.cpp\n  compile: on\n"},
+        (22, 12, "agent.compile", "compile: on means nothing for agent.engine llama.cpp"),
+    ),
+    (
+        "cuda-on-llama-cpp",
+        {"append": "agent:\n  engine: llama.cpp\n  device: cuda\n"},
+        (22, 11, "agent.device", "agent.engine llama.cpp runs on the CPU: device cuda would fail"),
+    ),
+    (
+        "cpu-compile-longer-than-readiness",  # a warning: see test_a_slow_cpu_compile_is_a_warning
+        {"append": "agent:\n  compile: on\nhealth:\n  readiness_timeout: 5m\n"},
+        (21, 12, "agent.compile", "the first time took 258-354 s for SmolLM2-135M on two slow cores"),
+    ),
+    (
         "duplicate-device",
         {"replace": (("name: d2", "name: d1"),)},
         (13, 13, "fleet.devices[1].name", "duplicate device name 'd1'"),
@@ -229,6 +254,36 @@ def test_the_base_config_is_valid(write_config):
     config = load_config(path, environ={})
     assert [d.name for d in config.fleet.devices] == ["d1", "d2"]
     assert config.resolve("fleet/d1") == path.parent / "fleet/d1"
+
+
+def test_agent_device_and_compile_defaults_and_bare_on(write_config):
+    assert load_config(write_config(), environ={}).agent.model_dump(include={"device", "compile"}) == {
+        "device": "auto",
+        "compile": "auto",
+    }
+    # YAML 1.1 reads a bare on/off as true/false; they mean the words written.
+    config = load_config(write_config(append="agent:\n  device: cpu\n  compile: on\n"), environ={})
+    assert (config.agent.device, config.agent.compile) == ("cpu", "on")
+    assert load_config(write_config(append="agent: {compile: off}\n"), environ={}).agent.compile == "off"
+
+
+@pytest.mark.parametrize(
+    ("append", "warned"),
+    [
+        ("agent: {compile: on}\n", True),  # the default readiness_timeout, 120s
+        ("agent: {compile: on, device: auto}\nhealth: {readiness_timeout: 9m59s}\n", True),
+        ("agent: {compile: on}\nhealth: {readiness_timeout: 10m}\n", False),
+        ("agent: {compile: on, device: cuda}\n", False),  # CUDA compiles the layers under auto too
+        ("agent: {compile: auto}\n", False),
+    ],
+)
+def test_a_slow_cpu_compile_is_a_warning(write_config, append, warned):
+    path = write_config(append=append)
+    findings = [f for f in validate_file(path, environ={}) if f.path == "agent.compile"]
+    assert [f.severity for f in findings] == (["warning"] if warned else [])
+    if warned:
+        assert "set health.readiness_timeout: 10m" in (findings[0].hint or "")
+        assert load_config(path, environ={}).agent.compile == "on"  # it loads: apply may go ahead
 
 
 def test_every_problem_is_reported_in_one_run(write_config):

@@ -102,3 +102,28 @@ def test_agent_threads_follow_the_cpu_quota(tmp_path, tiny_model_dir, cpu, threa
     settings = yaml.safe_load(agent_settings(config, DeviceSite.of(config, config.fleet.devices[0])))
     assert settings.get("threads") == threads
     assert AgentSettings(**settings).threads == threads  # the agent accepts what we write
+
+
+@pytest.mark.parametrize(
+    ("agent", "device", "compile_setting"),
+    [
+        ({}, "auto", "auto"),
+        ({"device": "cpu", "compile": "on"}, "cpu", "on"),
+        ({"device": "cuda"}, "cuda", "auto"),
+    ],
+)
+def test_agent_device_and_compile_are_written_to_agent_yaml(
+    tmp_path, tiny_model_dir, agent, device, compile_setting
+):
+    base = tmp_path / "project"
+    project = make_project(base, {"1.0.0": tiny_model_dir}, local_devices(base, ("d",), sys.executable))
+    doc = yaml.safe_load(project.config_path.read_text())
+    doc.setdefault("agent", {}).update(agent)
+    project.config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    config = load_config(project.config_path)
+    text = agent_settings(config, DeviceSite.of(config, config.fleet.devices[0]))
+    settings = yaml.safe_load(text)
+    # Written even when left at the default: agent.yaml's own default (cpu) is not deploy.yaml's (auto).
+    assert (settings["device"], settings["compile"]) == (device, compile_setting)
+    agent_side = AgentSettings(**settings)  # the agent accepts what we write
+    assert (agent_side.device, agent_side.compile) == (device, compile_setting)

@@ -38,7 +38,15 @@ def test_a_missing_llama_cpp_names_the_extra(monkeypatch):
 def test_the_llama_cpp_engine_refuses_a_cuda_device():
     with pytest.raises(AgentError, match="runs on the CPU") as info:
         make_engine("llama.cpp", device="cuda")
-    assert "device: cpu" in info.value.hint
+    assert "device: cpu" in info.value.hint and "device: auto" in info.value.hint
+
+
+@needs_llama_cpp
+def test_device_auto_runs_the_llama_cpp_engine_on_the_cpu(tiny_gguf_dir):
+    engine = make_engine("llama.cpp", context_length=256, threads=1, device="auto")
+    engine.load(tiny_gguf_dir)
+    info = engine.describe()
+    assert (info.device, info.extra["device_choice"]) == ("cpu", "cpu (the llama.cpp engine runs on the CPU)")
 
 
 @needs_llama_cpp

@@ -135,6 +135,21 @@ def test_accelerator_profile_keeps_device_nodes():
     assert "PrivateDevices" not in directives(render_units(config, gpu_box)[AGENT_UNIT])
 
 
+def test_the_units_the_controller_writes_keep_an_accelerators_device_nodes():
+    from deployer.push.bootstrap import desired_files
+    from deployer.push.facts import UNIT_DIR, DeviceSite
+
+    config = make_config()
+    cpu_box, gpu_box = (
+        directives(
+            desired_files(config, DeviceSite.of(config, d), systemd=True)[f"{UNIT_DIR}/{AGENT_UNIT}"].decode()
+        )
+        for d in config.fleet.devices
+    )
+    assert cpu_box["PrivateDevices"] == ["yes"]
+    assert "PrivateDevices" not in gpu_box  # else CUDA sees no GPU and `device: auto` picks the CPU
+
+
 def test_rollback_unit_is_a_sandboxed_oneshot_that_restarts_the_agent():
     rollback = directives(render_units(make_config())[ROLLBACK_UNIT])
     assert rollback["Type"] == ["oneshot"]

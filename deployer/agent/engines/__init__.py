@@ -17,10 +17,13 @@ def make_engine(
     device: str = "cpu",
     threads: int | None = None,
     slots: int | None = None,
+    compile: str = "auto",
 ) -> Engine:
     """A new, unloaded engine of the named kind ("torch" or "llama.cpp"); `slots` is how many
     sequences its batched step runs together (agent.yaml's max_concurrent; None: the engine's
-    default).
+    default). `device` is "cpu", "cuda" or "auto" (the torch engine: CUDA when torch sees a CUDA
+    device, else the CPU; llama.cpp: the CPU). `compile` is the torch engine's "auto", "on" or
+    "off" (see TorchEngine); llama.cpp has nothing to compile and refuses "on".
 
     Raises AgentError for an unknown name or an engine whose optional dependency is missing.
     """
@@ -28,11 +31,19 @@ def make_engine(
         # Imported here: torch takes seconds to import, and only the chosen engine should pay it.
         from deployer.agent.engines.torch_engine import TorchEngine
 
-        return TorchEngine(device=device, max_context=context_length, threads=threads, slots=slots)
+        return TorchEngine(
+            device=device, max_context=context_length, threads=threads, slots=slots, compile=compile
+        )
     if name == "llama.cpp":
-        if device != "cpu":
+        if device not in ("cpu", "auto"):
             raise AgentError(
-                f"the llama.cpp engine runs on the CPU here, not {device}", hint="set `device: cpu`"
+                f"the llama.cpp engine runs on the CPU here, not {device}",
+                hint="set `device: cpu` or `device: auto`",
+            )
+        if compile == "on":
+            raise AgentError(
+                "the llama.cpp engine has nothing to compile: compile: on means nothing there",
+                hint="set `compile: auto` (or leave it out), or use `engine: torch`",
             )
         from deployer.agent.engines.llamacpp_engine import LlamaCppEngine
 

@@ -420,6 +420,7 @@ class LlamaCppEngine(Engine):
             device="cpu",
             context_length=loaded.batch.context_length,
             extra={
+                "device_choice": "cpu (the llama.cpp engine runs on the CPU)",
                 "threads": str(self._threads),
                 "slots": str(self._slots),
                 "gguf": str(loaded.header.path),

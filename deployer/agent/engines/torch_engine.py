@@ -125,6 +125,30 @@ class _Inputs:
         return cls(*pair(2, slots), *pair(3, chunk))
 
 
+def choose_device(device: str) -> tuple[str, str]:
+    """(the torch device to run on, why): "auto" is CUDA when torch sees a CUDA device, else the
+    CPU; any other name is taken as asked.
+
+    Raises AgentError when CUDA is asked for and torch sees none: an explicit choice must not fall
+    back to a CPU that may be many times slower without anyone noticing.
+    """
+    if device == "auto":
+        if torch.cuda.is_available():
+            return "cuda", f"cuda (auto: torch sees {torch.cuda.get_device_name()})"
+        # A CPU-only torch build (a pip wheel on a Jetson, say) and a missing driver look alike
+        # to is_available(); which one it is decides what the operator should fix.
+        built = torch.version.cuda is not None or torch.version.hip is not None
+        why = "torch sees no CUDA device" if built else "this torch is built without CUDA"
+        return "cpu", f"cpu (auto: {why})"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise AgentError(
+            "device cuda was asked for but torch sees no CUDA device",
+            hint="set device: auto (the GPU where torch sees one, else the CPU) or device: cpu; "
+            "or check the GPU driver and that this torch is built with CUDA",
+        )
+    return device, f"{device} (asked for)"
+
+
 class TorchEngine(Engine):
     """Runs an artifact with the torch model of `llama.py`: `slots` sequences, batched decode."""
 
@@ -141,7 +165,9 @@ class TorchEngine(Engine):
         graph_buckets: Sequence[int] = GRAPH_BUCKETS,
         quantize_head: bool | None = None,
     ) -> None:
-        """`dtype` is "auto", "fp32", "bf16" or "fp16"; `max_context` caps the KV cache of each of
+        """`device` is "cpu", "cuda" (or "cuda:N") or "auto": CUDA when torch sees a CUDA device,
+        else the CPU (`choose_device`; `extra["device_choice"]` in `describe()` says which and why).
+        `dtype` is "auto", "fp32", "bf16" or "fp16"; `max_context` caps the KV cache of each of
         `slots` sequences (default 16 on CUDA, 4 on CPU); `threads` sets torch's (process-wide)
         intra-op thread count when given.
 
@@ -153,8 +179,7 @@ class TorchEngine(Engine):
         `quantize_head` runs the output head on int8 weights derived at load; None (auto) does so
         on a CPU for integer-quantized models (see loader.build_model).
         """
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise AgentError("device cuda was asked for but torch sees no CUDA device")
+        device, self._device_choice = choose_device(device)
         if compile not in ("auto", "on", "off"):
             raise AgentError(f"compile must be auto, on or off, not {compile!r}")
         kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -498,6 +523,7 @@ class TorchEngine(Engine):
             device=loaded.device.type,
             context_length=loaded.model.max_len,
             extra={
+                "device_choice": self._device_choice,
                 "dtype": str(loaded.dtype).removeprefix("torch."),
                 "threads": str(torch.get_num_threads()),
                 "kernels": ", ".join(f"{k}={n}" for k, n in sorted(counts.items())),

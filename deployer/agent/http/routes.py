@@ -330,6 +330,9 @@ def _model_entry(info: EngineInfo, status: str) -> dict:
         "engine": info.engine,
         "device": info.device,
         "context_length": info.context_length,
+        # How the engine runs it (device choice, compile, kernels, cache): what an operator asks
+        # after a load; names and values are strings, none of them a secret.
+        "extra": dict(info.extra),
     }
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import uvicorn
 from starlette.types import ASGIApp
 
+from deployer.agent.compile_cache import use_store_caches
 from deployer.agent.engines.base import Engine
 from deployer.agent.fallback.source import FallbackSource
 from deployer.agent.hotswap import ModelManager, SwapResult
@@ -55,7 +56,7 @@ from deployer.agent.settings import AgentSettings
 from deployer.agent.store import DeviceStore
 from deployer.errors import AgentError
 
-__all__ = ["AgentServer", "run_server"]
+__all__ = ["AgentServer", "engine_factory_for", "run_server"]
 
 _log = logging.getLogger("sits.agent")
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -277,6 +278,26 @@ class AgentServer:
         self.metrics.waiting.set(counts.waiting)
 
 
+def engine_factory_for(settings: AgentSettings) -> Callable[[], Engine]:
+    """What `run_server` makes each model's engine with: the engine agent.yaml names, on its
+    device, with its compile setting, threads, context length and slots (max_concurrent)."""
+
+    def factory() -> Engine:
+        # Imported here: the engines pull in torch, which `serve` imports only when it loads.
+        from deployer.agent.engines import make_engine
+
+        return make_engine(
+            settings.engine,
+            context_length=settings.context_length,
+            device=settings.device,
+            threads=settings.threads,
+            slots=settings.max_concurrent,
+            compile=settings.compile,
+        )
+
+    return factory
+
+
 def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | None = None) -> None:
     """`sits-agent serve`: listen, load the store's current version, tell systemd, serve until SIGTERM.
 
@@ -284,19 +305,10 @@ def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | N
     systemd's OnFailure= rollback unit can return the device to the previous version.
     """
     configure_journal_logging()
-    if engine_factory is None:
-        from deployer.agent.engines import make_engine
-
-        def engine_factory() -> Engine:
-            return make_engine(
-                settings.engine,
-                context_length=settings.context_length,
-                device=settings.device,
-                threads=settings.threads,
-                slots=settings.max_concurrent,
-            )
-
-    server = AgentServer(settings, engine_factory)
+    # Before any engine loads: torch reads these when it first compiles.
+    caches = use_store_caches(settings.state_dir)
+    lifecycle_event("compile-caches", version=None, reason="inductor and Triton caches", **caches)
+    server = AgentServer(settings, engine_factory or engine_factory_for(settings))
     server.start()
     result = server.reload(reason="start")
     if not result.ok:
