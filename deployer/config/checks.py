@@ -13,7 +13,6 @@ import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 from deployer.config import fit
@@ -34,14 +33,9 @@ from deployer.config.models import (
     Strategy,
     merge_fallbacks,
 )
-from deployer.config.quantity import format_duration
 from deployer.config.sourcemap import SourceMap
 
 GGUF_BLOCK = 32  # weights per GGUF 4-bit block (Q4_0/Q4_1)
-# The readiness timeout below which `compile: on` on a CPU is warned about: the first compile of
-# SmolLM2-135M's decode step took 258-354 s on two slow cores, before warm-up and smoke prompts,
-# and a larger model compiles a larger graph.
-CPU_COMPILE_READINESS = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -264,13 +258,9 @@ def _engine_findings(given: CheckInput) -> list[Finding]:
 
 
 def _agent_findings(given: CheckInput) -> list[Finding]:
-    """Device and compile settings the engine cannot honour, and a CPU compile longer than the
-    health gate waits.
-
-    The slow compile is a warning, not an error: how long it takes depends on the device's cores
-    and on whether inductor's on-disk cache there already holds the graphs, and under
-    `device: auto` a GPU device compiles with `compile: auto` as well; validate can know none of it.
-    """
+    """Device and compile settings the engine cannot honour. (A long CPU compile needs no check:
+    the agent compiles on a CPU in the background, serving eager steps until it is done, so the
+    health gate never waits for it.)"""
     agent = given.agent
     if agent is None:
         return []
@@ -292,18 +282,6 @@ def _agent_findings(given: CheckInput) -> list[Finding]:
                 "set agent.device: auto (or cpu), or use agent.engine: torch for the GPU",
             )
         )
-    health = given.health
-    slow = agent.engine == "torch" and agent.compile == "on" and agent.device != "cuda"
-    if slow and health is not None and health.readiness_timeout < CPU_COMPILE_READINESS:
-        warning = given.positions.finding(
-            ("agent", "compile"),
-            f"compile: on compiles the whole decode step at load on a CPU: the first time took "
-            f"258-354 s for SmolLM2-135M on two slow cores, and health.readiness_timeout is "
-            f"{format_duration(health.readiness_timeout)}, so the health gate may roll the device back",
-            f"set health.readiness_timeout: {format_duration(CPU_COMPILE_READINESS)} (or more), "
-            "or compile: auto (compile on CUDA only)",
-        )
-        findings.append(dataclasses.replace(warning, severity="warning"))
     return findings
 
 

@@ -577,10 +577,11 @@ class AgentSettings(_Model):
         BeforeValidator(_on_off),
         Field(
             description="Whether the torch engine compiles decode with inductor. auto: on CUDA only. "
-            "on: on a CPU too, for faster decode (1.8x on SmolLM2 int4), but the first load compiles "
-            "for minutes (258-354 s on two slow cores; later loads reuse the cache under "
-            "/var/lib/sits/cache) and needs a C++ compiler and the Python headers on the device: "
-            "`health.readiness_timeout` must cover it. Not for llama.cpp."
+            "on: on a CPU too, for faster decode (1.5-1.8x on SmolLM2 int4), compiled in the "
+            "background while the model already serves eager steps: the first compile takes minutes "
+            "(258-354 s on two slow cores; later loads reuse the cache under /var/lib/sits/cache), "
+            "uses the cores meanwhile, and needs a C++ compiler and the Python headers on the device "
+            "(without them the agent serves eager, and /v1/models says why). Not for llama.cpp."
         ),
     ] = "auto"
     # Loopback by default; beyond it every route but /healthz and /readyz needs an API key.

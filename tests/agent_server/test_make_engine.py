@@ -91,6 +91,7 @@ def test_agent_yaml_compile_and_device_reach_the_engine(tiny_model_dir, monkeypa
     )
     engine = engine_factory_for(settings)()
     engine.load(tiny_model_dir)
+    assert engine.wait_compiled(60)  # the agent's engine compiles on a CPU in the background
     extra = engine.describe().extra
     assert extra["compile"] == note
     assert extra["device_choice"].startswith("cpu (auto: ")

@@ -104,11 +104,6 @@ CASES = [
         (22, 11, "agent.device", "agent.engine llama.cpp runs on the CPU: device cuda would fail"),
     ),
     (
-        "cpu-compile-longer-than-readiness",  # a warning: see test_a_slow_cpu_compile_is_a_warning
-        {"append": "agent:\n  compile: on\nhealth:\n  readiness_timeout: 5m\n"},
-        (21, 12, "agent.compile", "the first time took 258-354 s for SmolLM2-135M on two slow cores"),
-    ),
-    (
         "duplicate-device",
         {"replace": (("name: d2", "name: d1"),)},
         (13, 13, "fleet.devices[1].name", "duplicate device name 'd1'"),
@@ -265,25 +260,6 @@ def test_agent_device_and_compile_defaults_and_bare_on(write_config):
     config = load_config(write_config(append="agent:\n  device: cpu\n  compile: on\n"), environ={})
     assert (config.agent.device, config.agent.compile) == ("cpu", "on")
     assert load_config(write_config(append="agent: {compile: off}\n"), environ={}).agent.compile == "off"
-
-
-@pytest.mark.parametrize(
-    ("append", "warned"),
-    [
-        ("agent: {compile: on}\n", True),  # the default readiness_timeout, 120s
-        ("agent: {compile: on, device: auto}\nhealth: {readiness_timeout: 9m59s}\n", True),
-        ("agent: {compile: on}\nhealth: {readiness_timeout: 10m}\n", False),
-        ("agent: {compile: on, device: cuda}\n", False),  # CUDA compiles the layers under auto too
-        ("agent: {compile: auto}\n", False),
-    ],
-)
-def test_a_slow_cpu_compile_is_a_warning(write_config, append, warned):
-    path = write_config(append=append)
-    findings = [f for f in validate_file(path, environ={}) if f.path == "agent.compile"]
-    assert [f.severity for f in findings] == (["warning"] if warned else [])
-    if warned:
-        assert "set health.readiness_timeout: 10m" in (findings[0].hint or "")
-        assert load_config(path, environ={}).agent.compile == "on"  # it loads: apply may go ahead
 
 
 def test_every_problem_is_reported_in_one_run(write_config):

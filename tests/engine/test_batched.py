@@ -3,6 +3,8 @@ batched equal to alone, prefix reuse, per-request seeds, bad input, fallbacks.""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -163,3 +165,55 @@ def test_the_compiled_cpu_step_gives_the_eager_tokens_alone_and_batched(varied_m
         for tokens, token in zip(got, compiled.step([0, 2]), strict=True):
             tokens.append(token)
     assert got == [run(engine, 0, p, GREEDY, 16) for p in prompts]
+
+
+def test_a_background_compile_serves_eager_steps_until_the_compiled_step_is_ready(
+    varied_model_dir, engine, engine_on, monkeypatch
+):
+    from deployer.agent.engines import torch_engine
+
+    # Hold the compile until the engine has served eager steps: a deterministic "while compiling".
+    release, compile_step = threading.Event(), torch_engine._compile_step
+
+    def held(loaded, io):
+        assert release.wait(60), "the test never released the compile"
+        return compile_step(loaded, io)
+
+    monkeypatch.setattr(torch_engine, "_compile_step", held)
+    compiling = engine_on(varied_model_dir, slots=4, compile="on", background_compile=True)
+    assert compiling.describe().extra["compile"].startswith("compiling in the background")
+    assert not compiling.wait_compiled(0)
+    prompt = engine.encode(PROMPTS[0])
+    want = run(engine, 0, prompt, GREEDY, 64)
+    first = [compiling.prefill(0, prompt, GREEDY)] + [compiling.step([0])[0] for _ in range(31)]
+    assert compiling._decode.step is None  # those 32 tokens came from eager steps
+    release.set()
+    assert compiling.wait_compiled(300)
+    note = compiling.describe().extra["compile"]
+    assert note.startswith("on (decode step, inductor C++ wrapper), ready after "), note
+    assert compiling._decode.step is not None
+    # The same sequence goes on with compiled steps and gives the eager engine's tokens.
+    rest = [compiling.step([0])[0] for _ in range(32)]
+    compiling.release(0)
+    assert first + rest == want
+
+
+def test_a_background_compile_that_fails_keeps_serving_eager_with_the_reason(
+    varied_model_dir, engine, engine_on, monkeypatch
+):
+    from deployer.agent.engines import torch_engine
+
+    def broken(loaded, io):
+        raise RuntimeError("inductor crashed")  # a fake: stands in for a backend bug
+
+    monkeypatch.setattr(torch_engine, "_compile_step", broken)
+    compiling = engine_on(varied_model_dir, compile="on", background_compile=True)
+    assert compiling.wait_compiled(60)
+    assert compiling.describe().extra["compile"] == "off (compile failed: RuntimeError: inductor crashed)"
+    prompt = engine.encode(PROMPTS[1])
+    assert run(compiling, 0, prompt, GREEDY, 16) == run(engine, 0, prompt, GREEDY, 16)
+
+
+def test_background_compile_is_for_cpu_steps_compiled_on_request(varied_model_dir, engine_on):
+    off = engine_on(varied_model_dir, compile="off", background_compile=True)
+    assert off.wait_compiled(0) and off.describe().extra["compile"] == "off"

@@ -31,8 +31,15 @@ def make_engine(
         # Imported here: torch takes seconds to import, and only the chosen engine should pay it.
         from deployer.agent.engines.torch_engine import TorchEngine
 
+        # In the agent a CPU compile runs in the background: it can take minutes, and the health
+        # gate (readiness) should not wait for a speed-up while eager steps can serve.
         return TorchEngine(
-            device=device, max_context=context_length, threads=threads, slots=slots, compile=compile
+            device=device,
+            max_context=context_length,
+            threads=threads,
+            slots=slots,
+            compile=compile,
+            background_compile=True,
         )
     if name == "llama.cpp":
         if device not in ("cpu", "auto"):

@@ -11,7 +11,9 @@ or a stop string ("stop") or on max_tokens or a full context ("length").
 from __future__ import annotations
 
 import gc
+import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -48,6 +50,8 @@ from deployer.errors import AgentError
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
+
+_log = logging.getLogger("sits.agent")
 
 DEFAULT_MAX_CONTEXT = 2048
 WARMUP_MESSAGES = (ChatMessage("user", "Hello"),)
@@ -164,6 +168,7 @@ class TorchEngine(Engine):
         cuda_graphs: bool = True,
         graph_buckets: Sequence[int] = GRAPH_BUCKETS,
         quantize_head: bool | None = None,
+        background_compile: bool = False,
     ) -> None:
         """`device` is "cpu", "cuda" (or "cuda:N") or "auto": CUDA when torch sees a CUDA device,
         else the CPU (`choose_device`; `extra["device_choice"]` in `describe()` says which and why).
@@ -177,7 +182,10 @@ class TorchEngine(Engine):
         (seconds once inductor's on-disk cache holds it) and needs a C++ compiler on the device,
         so auto leaves it off there. `cuda_graphs` captures the decode step per batch bucket.
         `quantize_head` runs the output head on int8 weights derived at load; None (auto) does so
-        on a CPU for integer-quantized models (see loader.build_model).
+        on a CPU for integer-quantized models (see loader.build_model). `background_compile`
+        (the agent's choice) compiles that CPU step on a thread of its own after load: the engine
+        serves eager steps meanwhile and switches between two steps once the compiled one runs,
+        so a first compile of minutes never holds up readiness (`wait_compiled`).
         """
         device, self._device_choice = choose_device(device)
         if compile not in ("auto", "on", "off"):
@@ -191,6 +199,9 @@ class TorchEngine(Engine):
             raise AgentError(f"slots must be at least 1, got {self._slots}")
         self._want_compile = compile == "on" or (compile == "auto" and kind == "cuda")
         self._want_graphs = cuda_graphs and kind == "cuda"
+        self._background = background_compile and kind == "cpu" and self._want_compile
+        self._compiled = threading.Event()  # set once no compile is in progress
+        self._compiled.set()
         self._buckets = tuple(sorted({b for b in graph_buckets if 0 < b < self._slots} | {self._slots}))
         self._loaded: LoadedModel | None = None
         self._codec: TextCodec | None = None
@@ -243,10 +254,48 @@ class TorchEngine(Engine):
         self._io = _Inputs.allocate(self._slots, chunk, loaded.device)
         with _small_tuning_flush(loaded.device):
             self._decode = _prepare(
-                loaded, self._io.step, self._io.prefill, self._buckets, self._want_compile, self._want_graphs
+                loaded,
+                self._io.step,
+                self._io.prefill,
+                self._buckets,
+                self._want_compile and not self._background,
+                self._want_graphs,
             )
+        if self._background:
+            self._compile_in_background(loaded, self._decode, torch.zeros_like(self._io.step))
         if loaded.device.type == "cuda":
             torch.cuda.empty_cache()  # hand back what compiling and tuning left in the cache
+
+    def _compile_in_background(self, loaded: LoadedModel, decode: _Decode, io: torch.Tensor) -> None:
+        """Compile the CPU decode step on a thread of its own; `decode` takes it when it runs.
+
+        The trial decodes read `io` (not the engine's inputs, which serving steps use meanwhile)
+        and write only the scratch position, which no step attends to. The engine thread reads
+        `decode.step` at each step, so it switches between two steps. A model unloaded meanwhile
+        stays in memory until its compile ends; its result is then dropped with it.
+        """
+        done = threading.Event()
+        self._compiled = done
+        decode.compile_note = "compiling in the background (eager steps until it is ready)"
+        started = time.monotonic()
+
+        def work() -> None:
+            try:
+                step, note = _compile_step(loaded, io)
+            except Exception as exc:  # anything unforeseen: keep serving eager, say why
+                step, note = None, f"off (compile failed: {_first_line(exc)})"
+            decode.step = step  # before the note: the note never claims a step not in use
+            took = f", ready after {time.monotonic() - started:.0f} s" if step is not None else ""
+            decode.compile_note = note + took
+            _log.info("%s: decode step compile %s", loaded.facts.name, decode.compile_note)
+            done.set()
+
+        threading.Thread(target=work, name="sits-compile", daemon=True).start()
+
+    def wait_compiled(self, timeout_s: float | None = None) -> bool:
+        """Wait for a compile running in the background (see `background_compile`) to end, compiled
+        or fallen back to eager; True when none is running (any longer)."""
+        return self._compiled.wait(timeout_s)
 
     def warmup(self) -> None:
         """A short greedy generation, so kernels and allocations are ready for the first request."""
