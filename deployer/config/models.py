@@ -377,6 +377,13 @@ class FallbackTriggers(_Model):
     overloaded: bool = True
 
 
+def _on_off(value: Any) -> Any:
+    """YAML 1.1 reads a bare `on` / `off` as true / false: take them as the words that were written."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
 class Fallback(_Model):
     """Edge-cloud fallback (docs/fallback.md): per request, the device's model or the upstream's.
 
@@ -384,7 +391,7 @@ class Fallback(_Model):
     sets (``policy: off`` turns it off there).
     """
 
-    policy: Literal["off", "on-trigger", "always"] = "on-trigger"
+    policy: Annotated[Literal["off", "on-trigger", "always"], BeforeValidator(_on_off)] = "on-trigger"
     upstream: Upstream | None = None
     triggers: FallbackTriggers = FallbackTriggers()
 
@@ -551,13 +558,6 @@ class ApiKeys(_Model):
         if (self.env is None) == (self.file is None):
             raise ValueError("give exactly one of env (a variable name) or file (a secrets file)")
         return self
-
-
-def _on_off(value: Any) -> Any:
-    """YAML 1.1 reads a bare `on` / `off` as true / false: take them as the words that were written."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return value
 
 
 class AgentSettings(_Model):

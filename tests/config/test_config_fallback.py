@@ -80,7 +80,10 @@ def test_profile_and_device_override_the_fields_they_set(write_config, tmp_path,
                 '  small: {memory: 4Gi, cpu: "2"}',
                 '  small: {memory: 4Gi, cpu: "2", fallback: {policy: always}}',
             ),
-            ("      labels: {ring: canary}", "      labels: {ring: canary}\n      fallback: {policy: 'off'}"),
+            (
+                "      labels: {ring: canary}",
+                "      labels: {ring: canary}\n      fallback: {policy: off}",
+            ),  # bare, as docs/fallback.md writes it (YAML 1.1 reads it as false)
         ),
     )
     config = load_config(path, {"UPSTREAM_KEY": KEY})
