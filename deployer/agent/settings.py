@@ -35,18 +35,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import ErrorDetails
 
 from deployer.agent.fallback.settings import FallbackSettings
+from deployer.core.yaml_words import on_off
 from deployer.errors import ConfigError
 
 __all__ = ["AgentSettings", "SmokePrompt", "load_settings"]
 
 DEFAULT_SETTINGS_PATH = Path("/etc/sits/agent.yaml")
-
-
-def _on_off(value: object) -> object:
-    """YAML 1.1 reads a bare `on` / `off` as true / false: take them as the words that were written."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return value
 
 
 class SmokePrompt(BaseModel):
@@ -104,7 +98,7 @@ class AgentSettings(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="cpu", description="auto: cuda when torch sees a CUDA device, else cpu"
     )
-    compile: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = Field(
+    compile: Annotated[Literal["auto", "on", "off"], BeforeValidator(on_off)] = Field(
         default="auto",
         description="torch engine: compile decode with inductor; auto: on CUDA only (a CPU's first "
         "compile takes minutes and needs a C++ compiler)",

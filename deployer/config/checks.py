@@ -23,7 +23,6 @@ from deployer.config.models import (
     AgentSettings,
     Device,
     Fallback,
-    Health,
     Hooks,
     ModelSpec,
     Profile,
@@ -57,7 +56,6 @@ class CheckInput:
     resources: Resources | None = None
     hooks: Hooks | None = None
     agent: AgentSettings | None = None
-    health: Health | None = None
     secrets: bool = True  # False for commands that sign nothing: an encrypted key is not opened
     fallback: Fallback | None = None
 
@@ -258,9 +256,7 @@ def _engine_findings(given: CheckInput) -> list[Finding]:
 
 
 def _agent_findings(given: CheckInput) -> list[Finding]:
-    """Device and compile settings the engine cannot honour. (A long CPU compile needs no check:
-    the agent compiles on a CPU in the background, serving eager steps until it is done, so the
-    health gate never waits for it.)"""
+    """Device and compile settings the engine cannot honour."""
     agent = given.agent
     if agent is None:
         return []

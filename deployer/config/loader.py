@@ -39,7 +39,6 @@ _CHECKED_SECTIONS = (
     "resources",
     "hooks",
     "agent",
-    "health",
     "fallback",
 )
 

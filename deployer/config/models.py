@@ -46,6 +46,7 @@ from deployer.config.quantity import (
     parse_memory,
     parse_percent,
 )
+from deployer.core.yaml_words import on_off
 
 API_VERSION: Final = "sits.dev/v1"  # Final: its type is the Literal the models declare
 BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
@@ -377,13 +378,6 @@ class FallbackTriggers(_Model):
     overloaded: bool = True
 
 
-def _on_off(value: Any) -> Any:
-    """YAML 1.1 reads a bare `on` / `off` as true / false: take them as the words that were written."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return value
-
-
 class Fallback(_Model):
     """Edge-cloud fallback (docs/fallback.md): per request, the device's model or the upstream's.
 
@@ -391,7 +385,7 @@ class Fallback(_Model):
     sets (``policy: off`` turns it off there).
     """
 
-    policy: Annotated[Literal["off", "on-trigger", "always"], BeforeValidator(_on_off)] = "on-trigger"
+    policy: Annotated[Literal["off", "on-trigger", "always"], BeforeValidator(on_off)] = "on-trigger"
     upstream: Upstream | None = None
     triggers: FallbackTriggers = FallbackTriggers()
 
@@ -574,7 +568,7 @@ class AgentSettings(_Model):
     ] = "auto"
     compile: Annotated[
         Literal["auto", "on", "off"],
-        BeforeValidator(_on_off),
+        BeforeValidator(on_off),
         Field(
             description="Whether the torch engine compiles decode with inductor. auto: on CUDA only. "
             "on: on a CPU too, for faster decode (1.5-1.8x on SmolLM2 int4), compiled in the "
