@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.lab import devices, netns, rootfs
 from tests.lab.devices import Device
@@ -228,19 +229,34 @@ class Lab:
 
 def reap(workdir: Path, poll_s: float = 1.0) -> None:
     """Wait until the lab's time is up or its owner died, then tear it down. Exits when the lab is gone."""
-    state_file = workdir / "lab.json"
     while True:
-        try:
-            state = json.loads(state_file.read_text())
-        except (OSError, ValueError):
+        state = _read_state(workdir)
+        if state is None:
             return  # torn down by someone else
-        owner = state.get("owner_pid")
-        if time.time() > state["deadline"] or (owner and not pid_alive(owner)):
-            why = "time is up" if time.time() > state["deadline"] else f"owner pid {owner} is gone"
+        why = _stale_reason(state)
+        if why:
             print(f"[lab] reaping {workdir}: {why}", flush=True)
             Lab(workdir, state["count"], Path(state["cache"])).down()
             return
         time.sleep(poll_s)
+
+
+def _read_state(workdir: Path) -> dict[str, Any] | None:
+    try:
+        state: dict[str, Any] = json.loads((workdir / "lab.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state
+
+
+def _stale_reason(state: dict[str, Any]) -> str:
+    """Why a lab with this state should go ("" while its owner lives and its time is not up)."""
+    if time.time() > state["deadline"]:
+        return "time is up"
+    owner = state.get("owner_pid")
+    if owner and not pid_alive(owner):
+        return f"owner pid {owner} is gone"
+    return ""
 
 
 def load(workdir: Path) -> Lab:
@@ -266,7 +282,14 @@ def _refuse_other_lab(workdir: Path) -> None:
     active = _active_workdir()
     if active is None:
         return
-    if active != workdir and (active / "lab.json").exists():
+    state = _read_state(active)
+    why = _stale_reason(state) if state else ""
+    if state and why:
+        # Its reaper died with it (a killed CI job, a stopped machine): finish the teardown it began.
+        print(f"[lab] taking down the stale lab in {active}: {why}", flush=True)
+        Lab(active, state["count"], Path(state["cache"]))._down_locked()
+        return
+    if active != workdir and state:
         raise LabError(f"another lab is up in {active}; run `python -m tests.lab down --workdir {active}`")
     if active == workdir and (workdir / "lab.json").exists():
         raise LabError(f"a lab is already up in {workdir}; run `python -m tests.lab down` first")

@@ -15,6 +15,7 @@ from deployer.errors import HostKeyError, RefusedError, TransportError
 from deployer.transport.base import RetryPolicy
 from deployer.transport.hostkeys import fingerprint
 from deployer.transport.pool import run_bounded
+from tests.lab.lab import _stale_reason
 from tests.lab.netns import require_hub_for
 from tests.lab.proc import LabError
 
@@ -181,3 +182,13 @@ def test_the_guard_route_makes_lab_addresses_unroutable_from_the_root_namespace(
 def test_known_hosts_file_lists_every_device_key(lab, host_key_line):
     lines = Path(lab.known_hosts).read_text().splitlines()
     assert lines == [f"{d.address} {' '.join(host_key_line(d.index))}" for d in lab.devices]
+
+
+def test_a_lab_whose_owner_died_or_whose_time_is_up_counts_as_stale():
+    # What `up` and the reaper decide on; a dead owner is one whose pid we waited for ourselves.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    later = time.time() + 60
+    assert _stale_reason({"deadline": later, "owner_pid": gone.pid}) == f"owner pid {gone.pid} is gone"
+    assert _stale_reason({"deadline": time.time() - 1, "owner_pid": os.getpid()}) == "time is up"
+    assert _stale_reason({"deadline": later, "owner_pid": os.getpid()}) == ""
