@@ -12,7 +12,9 @@ and never fought over. Its loop, between two decode steps:
    `queue_timeout_s` for a slot; their slots are released;
 3. admits waiting requests into free slots (prefill: the first token; the prompts admitted in one
    round go to the engine together, which may decode them in one batch). An idle engine first
-   waits a moment for requests already on their way (`Arrivals`), so a burst starts together;
+   waits a moment for requests already on their way (`Arrivals`), and for as many as came in the
+   last burst, so a burst starts together. When more wait for a free slot after a prefill, the
+   next round admits them before anyone steps: a first token waits for as little as possible;
 4. advances the running requests by one token with a single `engine.step`: all of them, or as many
    as `engine.step_group` says are cheaper to step apart (those whose last token is oldest), so a
    round of steps advances each once and a new request waits for one small step, not a whole round.
@@ -93,8 +95,8 @@ class SchedulerLimits:
     queue_timeout_s: float = 120.0  # the longest a request waits for a slot
     stall_timeout_s: float = 120.0  # the longest a consumer may leave its full buffer unread
     buffer_events: int = 64  # events held for a consumer before its request pauses
-    # The longest an idle engine waits for requests on their way (Arrivals): about the time it
-    # takes to tokenize a few chat prompts.
+    # The longest an idle engine waits for requests on their way (Arrivals) or of a burst: about
+    # the time it takes to tokenize a few chat prompts, and the spread of a burst's sends.
     gather_s: float = 0.01
 
 
@@ -102,10 +104,15 @@ class Arrivals:
     """Requests that reached the agent and are on their way to a scheduler (being tokenized).
 
     Clients often come in bursts (an app's workers, a fan-out): when the engine is idle, the first
-    of a burst would start alone and the rest wait for its whole prefill. A scheduler with an idle
-    engine therefore waits for the requests already on their way, at most
+    of a burst would start alone and the rest wait for its whole prefill and a step. A scheduler
+    with an idle engine therefore waits for the requests already on their way, at most
     `SchedulerLimits.gather_s`, and starts them together (one batched prefill). A lone request has
-    none on its way and starts at once."""
+    none on its way and starts at once.
+
+    The members of a burst are often a few milliseconds apart on the wire, too far apart to be
+    seen on their way when the first is submitted. So the scheduler also remembers how many came
+    within `gather_s` of the last idle start and waits (at most as long) for as many: a workload of
+    bursts gets them gathered from its second burst on, one of lone requests never waits."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -397,6 +404,11 @@ class Scheduler:
         self._pieces: deque[tuple[Generator[None, None, Any], Future]] = deque()
         self._running: dict[int, _Request] = {}
         self._steps = 0  # engine steps run so far
+        # The burst that began at the last idle start: when, how many so far; and how many the one
+        # before it had (what an idle engine waits for, see Arrivals).
+        self._burst_start = -math.inf
+        self._burst_size = 0
+        self._expected_burst = 1
         self._closing = False
         self._final: Callable[[], None] | None = None
         self._stopped = False  # the loop has ended: run() would never be answered
@@ -468,6 +480,7 @@ class Scheduler:
                     f"{len(self._running)} running and {len(self._waiting)} waiting",
                     retry_after_s=max(1, math.ceil(self.limits.queue_timeout_s / 60)),
                 )
+            self._count_burst(request.submitted)
             self._waiting.append(request)
             self._cond.notify()
         self._report()
@@ -492,6 +505,14 @@ class Scheduler:
         """Wait for the engine thread to stop after close(); True when it did within `timeout_s`."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+    def _count_burst(self, submitted: float) -> None:
+        """Count a submission into the current burst, or start one on an idle engine (lock held)."""
+        if not self._running and not self._waiting:
+            self._expected_burst = max(1, self._burst_size)
+            self._burst_start, self._burst_size = submitted, 1
+        elif submitted - self._burst_start <= self.limits.gather_s:
+            self._burst_size += 1
 
     def _context(self) -> int:
         if self._context_length is None:
@@ -554,7 +575,7 @@ class Scheduler:
         if admitted:
             self._prefill(admitted)
         runnable = [r for r in runnable if self._running.get(r.slot) is r and not r.cancelled]
-        if runnable:
+        if runnable and not (admitted and self._admittable()):
             self._step(self._next_group(runnable))
         if expired or admitted or dropped or runnable or cancelled_waiting:
             self._report()
@@ -619,13 +640,22 @@ class Scheduler:
         return admitted
 
     def _gathering(self, now: float) -> float:
-        """Seconds the idle engine should still wait for requests on their way before admitting the
-        waiting ones (see Arrivals); 0: admit now (lock held)."""
-        if self._running or not self._waiting or self._arrivals is None or not self._arrivals.count:
+        """Seconds the idle engine should still wait for requests on their way, or for the rest of a
+        burst as big as the last one, before admitting the waiting ones (see Arrivals); 0: admit
+        now (lock held)."""
+        if self._running or not self._waiting:
             return 0.0
         if len(self._waiting) >= self.capacity:  # nothing more would start with them
             return 0.0
+        on_their_way = self._arrivals is not None and self._arrivals.count > 0
+        if not on_their_way and len(self._waiting) >= self._expected_burst:
+            return 0.0
         return max(0.0, self._waiting[0].submitted + self.limits.gather_s - now)
+
+    def _admittable(self) -> bool:
+        """Requests wait and a slot is free for them: admitting them comes before the next step."""
+        with self._cond:
+            return bool(self._waiting) and len(self._running) < self.capacity
 
     def _stalled(self, request: _Request, now: float) -> bool:
         if not request.paused:

@@ -219,6 +219,59 @@ def test_an_idle_engine_waits_for_the_requests_on_their_way_and_starts_them_toge
     assert [len(r) for r in rounds] == [1, 1, 2]  # both in one round
 
 
+def test_an_idle_engine_waits_for_a_burst_as_big_as_the_last_one(make):
+    arrivals = Arrivals()
+    scheduler = make(wrap=PrefillRecorder, arrivals=arrivals, gather_s=600.0)
+    rounds = scheduler.engine.rounds
+    on_their_way = [arrivals.coming(), arrivals.coming()]  # a burst of two, gathered as above
+    burst = []
+    for prompt in PROMPTS[:2]:
+        burst.append(scheduler.submit(prompt, GREEDY))
+        arrivals.came()
+    assert all(len(_tokens(g)) == 16 for g in burst) and [len(r) for r in rounds] == [2]
+    assert len(on_their_way) == 2
+    # Nothing is on its way now, but the last burst had two: the first of the next one waits
+    # (600 s unless the second comes), the second starts with it.
+    first = scheduler.submit(PROMPTS[2], GREEDY)
+    assert not first.wait_started(0.3)
+    second = scheduler.submit(PROMPTS[3], GREEDY)
+    assert len(_tokens(first)) == 16 and len(_tokens(second)) == 16
+    assert [len(r) for r in rounds] == [2, 2]
+
+
+class HeldPrefill(EngineWrapper):
+    """A real engine recording its prefills and steps; the first prefill waits for `let_go` (after
+    setting `prefilling`)."""
+
+    def __init__(self, engine, prefilling: threading.Event, let_go: threading.Event) -> None:
+        self._engine, self._prefilling, self._let_go = engine, prefilling, let_go
+        self.calls: list[tuple[str, int]] = []
+
+    def prefill(self, slot, prompt, params):
+        if not self.calls:
+            self._prefilling.set()
+            assert self._let_go.wait(60), "the test never let the prefill go"
+        self.calls.append(("prefill", slot))
+        return self._engine.prefill(slot, prompt, params)
+
+    def step(self, slots):
+        self.calls.append(("step", len(slots)))
+        return self._engine.step(slots)
+
+
+def test_a_request_waiting_after_a_prefill_gets_its_first_token_before_the_next_step(make):
+    prefilling, let_go = threading.Event(), threading.Event()
+    scheduler = make(wrap=lambda e: HeldPrefill(e, prefilling, let_go))
+    first = scheduler.submit(PROMPTS[0], GREEDY)
+    assert prefilling.wait(60)
+    second = scheduler.submit(PROMPTS[1], GREEDY)  # waits: the engine thread is in the prefill
+    let_go.set()
+    assert len(_tokens(first)) == 16 and len(_tokens(second)) == 16
+    calls = scheduler.engine.calls
+    assert [kind for kind, _ in calls[:3]] == ["prefill", "prefill", "step"]
+    assert calls[2] == ("step", 2)  # the first request's second token came with the second's
+
+
 def test_the_queue_is_bounded_and_a_cancelled_request_frees_its_slot(make, wait_until):
     scheduler = make(queue_length=1, buffer_events=2)
     running = [scheduler.submit(p, LONG) for p in PROMPTS]
