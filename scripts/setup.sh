@@ -92,11 +92,19 @@ prepare_model() {
     "$VENV/bin/python" -m deployer.build.demo_model
 }
 
+# Our AVX2 kernels for int4/int8 torch layers (deployer/agent/engines/native.py), compiled once
+# per torch version into ~/.cache/sits-deployer/kernels (about 35 s on 2 cores; then instant).
+prepare_kernels() {
+    log "building the agent's CPU kernels (cached after the first run)"
+    "$VENV/bin/python" -m deployer.agent.engines.native
+}
+
 log "checking Debian packages, the virtual environment and the demo model (each step once)"
 install_apt_packages
 check_python
 install_venv
 install_llamacpp
 prepare_model
+prepare_kernels
 log "ready: source $VENV/bin/activate"
 export PATH="$VENV/bin:$PATH"

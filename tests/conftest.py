@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from deployer.build.demo_model import make_tiny_checkpoint, prepare_smollm2
+from deployer.core.kernel_cache import KERNEL_CACHE_VARIABLE, shared_kernel_cache
 from deployer.core.redact import redaction_scope
+
+# Our CPU kernel (engines/native.py) is built once per machine into the project's cache, not once
+# per agent store a test makes (an agent points the variable at its store only when it is unset).
+os.environ.setdefault(KERNEL_CACHE_VARIABLE, str(shared_kernel_cache()))
 
 # The device lab (session-scoped, one per machine): loaded once here for every test folder.
 pytest_plugins = ["tests.lab.fixtures"]

@@ -5,8 +5,9 @@ agent's unit runs with PrivateTmp=yes (a fresh /tmp each start, removed at stop)
 and only /var/lib/sits writable (templates/_sandbox.conf.j2): a CPU device with `compile: on`
 would build its decode step from scratch (minutes) on every restart, and on a GPU device Triton
 could write only while the service user's home happens to be the store (bootstrap's `useradd`
-makes it so; a user made otherwise may have one under /home, which ProtectHome hides). So the
-agent points both at `<root>/var/lib/sits/cache/{inductor,triton}` before an engine loads.
+makes it so; a user made otherwise may have one under /home, which ProtectHome hides). Our own
+int4 CPU kernel (engines/native.py) is built once per machine the same way. So the agent points
+all three at `<root>/var/lib/sits/cache/{inductor,triton,kernels}` before an engine loads.
 """
 
 from __future__ import annotations
@@ -16,10 +17,16 @@ import os
 import stat
 from pathlib import Path
 
+from deployer.core.kernel_cache import KERNEL_CACHE_VARIABLE
+
 __all__ = ["CACHE_VARIABLES", "use_store_caches"]
 
 # The environment variable of each cache and its directory under <store>/cache.
-CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+CACHE_VARIABLES = {
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+    KERNEL_CACHE_VARIABLE: "kernels",  # our own CPU kernels (engines/native.py)
+}
 _log = logging.getLogger("sits.agent")
 
 

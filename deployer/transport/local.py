@@ -2,7 +2,8 @@
 
 Device paths map below `root` (`/var/lib/sits/x` -> `<root>/var/lib/sits/x`), so a demo fleet is a
 set of directories and a controller running on the device itself uses `root=/`. Commands run here
-with `root` as the working directory and `SITS_ROOT=<root>` in their environment.
+with `root` as the working directory and `SITS_ROOT=<root>` in their environment (and, unless set
+already, SITS_KERNEL_CACHE_DIR at the machine's cache: see core/kernel_cache.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path, PurePosixPath
 
 from deployer.core.hashing import sha256_file
+from deployer.core.kernel_cache import KERNEL_CACHE_VARIABLE, shared_kernel_cache
 from deployer.errors import TransportError, UnsafePathError
 from deployer.transport.base import RetryPolicy, RunResult, Transport, copy_range
 
@@ -40,6 +42,12 @@ class LocalTransport(Transport):
             )
         return self.root.joinpath(*device_path.parts[1:])
 
+    def _environment(self) -> dict[str, str]:
+        """This process's environment with SITS_ROOT; agents of a local fleet share this machine,
+        so they share one build of the CPU kernels rather than build one under each device root."""
+        shared = {KERNEL_CACHE_VARIABLE: str(shared_kernel_cache())}
+        return {**shared, **os.environ, "SITS_ROOT": str(self.root)}
+
     def run(self, cmd: str | Sequence[str], timeout: float = 60.0) -> RunResult:
         """Run a shell command here, in `root`, with SITS_ROOT set; see Transport.run."""
         command = cmd if isinstance(cmd, str) else shlex.join(cmd)
@@ -47,7 +55,7 @@ class LocalTransport(Transport):
             done = subprocess.run(
                 ["/bin/sh", "-c", command],
                 cwd=self.root,
-                env={**os.environ, "SITS_ROOT": str(self.root)},
+                env=self._environment(),
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 timeout=timeout,
@@ -68,7 +76,7 @@ class LocalTransport(Transport):
             proc = subprocess.Popen(
                 ["/bin/sh", "-c", cmd],
                 cwd=self.root,
-                env={**os.environ, "SITS_ROOT": str(self.root)},
+                env=self._environment(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -1,5 +1,5 @@
-"""inductor's and Triton's caches under the agent's store: set before an engine loads, made without
-write access for others, and never over an operator's own value."""
+"""inductor's, Triton's and our CPU kernels' caches under the agent's store: set before an engine
+loads, made without write access for others, and never over an operator's own value."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ def _no_cache_variables(monkeypatch):
         monkeypatch.delenv(variable, raising=False)
 
 
-def test_both_caches_go_under_the_store(tmp_path):
+def test_every_cache_goes_under_the_store(tmp_path):
     state_dir = AgentSettings(root=tmp_path / "root").state_dir
     state_dir.mkdir(parents=True)
     state_dir.chmod(0o770)  # group write on the store is not passed on: the caches hold code
     assert use_store_caches(state_dir) == {
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "root/var/lib/sits/cache/inductor"),
         "TRITON_CACHE_DIR": str(tmp_path / "root/var/lib/sits/cache/triton"),
+        "SITS_KERNEL_CACHE_DIR": str(tmp_path / "root/var/lib/sits/cache/kernels"),
     }
     for variable, name in CACHE_VARIABLES.items():
         path = state_dir / "cache" / name
@@ -43,6 +44,7 @@ def test_an_operators_value_wins(tmp_path, monkeypatch):
     assert caches == {
         "TORCHINDUCTOR_CACHE_DIR": str(state_dir / "cache/inductor"),
         "TRITON_CACHE_DIR": "/srv/triton-cache",
+        "SITS_KERNEL_CACHE_DIR": str(state_dir / "cache/kernels"),
     }
     assert not (state_dir / "cache/triton").exists()
 
@@ -56,4 +58,5 @@ def test_a_store_that_cannot_hold_them_leaves_torchs_default(tmp_path, caplog):
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         f"cannot make the inductor cache under {state_dir}",
         f"cannot make the triton cache under {state_dir}",
+        f"cannot make the kernels cache under {state_dir}",
     ]

@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from deployer.agent.engines import native
+from deployer.agent.engines.qlinear import KERNEL_INT4_AVX2, KERNEL_INT4_CPU, KERNEL_INT8, KERNEL_INT8_AVX2
 from deployer.agent.engines.torch_engine import TorchEngine
 from deployer.build.artifact import load_state_dict
 from deployer.build.demo_model import make_tiny_checkpoint
@@ -119,3 +121,18 @@ def varied_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: P
         tie_word_embeddings=False,
     )
     return _hf_checkpoint(tmp_path_factory.mktemp("varied-model"), config, tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel() -> dict[str, str]:
+    """The kernel each quantized scheme runs on this CPU: ours where they build here (an AVX2 CPU
+    with a C++ compiler, as CI's), else torch's."""
+    if native.cpu_kernels()[0] is not None:
+        return {"int4": KERNEL_INT4_AVX2, "int8": KERNEL_INT8_AVX2}
+    return {"int4": KERNEL_INT4_CPU, "int8": KERNEL_INT8}
+
+
+@pytest.fixture
+def torch_kernels_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantized layers built in the test never consider our kernels (tests of torch's)."""
+    monkeypatch.setattr(native, "cpu_kernels", lambda: (None, "left out by the test"))

@@ -32,12 +32,13 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    ("scheme", "group_size", "kernel"),
-    [("int8", 128, KERNEL_INT8), ("int4", 32, KERNEL_INT4_CPU), ("int4", 128, KERNEL_INT4_CPU)],
+    ("scheme", "group_size"),
+    [("int8", 128), ("int4", 32), ("int4", 128)],
 )
 def test_packed_kernels_match_dequantized_fp32(
-    scheme, group_size, kernel, tiny_model_dir, build, dequantized, engine_on
+    scheme, group_size, tiny_model_dir, build, dequantized, engine_on, cpu_kernel
 ):
+    kernel = cpu_kernel[scheme]
     artifact = build(tiny_model_dir, scheme, group_size)
     engine = engine_on(artifact, dtype="auto")
     kernels = engine.layer_kernels
@@ -50,7 +51,9 @@ def test_packed_kernels_match_dequantized_fp32(
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
-def test_unsupported_shapes_fall_back_to_dequant(odd_model_dir, build, dequantized, engine_on):
+def test_unsupported_shapes_fall_back_to_dequant(
+    odd_model_dir, build, dequantized, engine_on, torch_kernels_only
+):
     # N = 72 is not a multiple of 16: the CPU int4 packer refuses the layer.
     torch.manual_seed(0)
     weight = torch.randn(72, 64)
@@ -72,19 +75,19 @@ def test_unsupported_shapes_fall_back_to_dequant(odd_model_dir, build, dequantiz
     assert _relative_error(engine.logits(ids), reference.logits(ids)) < 0.02
 
 
-def test_int8_never_tries_the_kernel_where_it_would_crash(odd_model_dir, build, engine_on):
+def test_int8_never_tries_the_kernel_where_it_would_crash(odd_model_dir, build, engine_on, cpu_kernel):
     # K = 72: torch's CPU _weight_int8pack_mm reads out of bounds; the layer must not use it.
     engine = engine_on(build(odd_model_dir, "int8"), dtype="auto")
     assert engine.layer_kernels["model.layers.0.mlp.down_proj"] == KERNEL_DEQUANT
-    assert engine.layer_kernels["model.layers.0.mlp.gate_proj"] == KERNEL_INT8
+    assert engine.layer_kernels["model.layers.0.mlp.gate_proj"] == cpu_kernel["int8"]
     assert engine.logits(engine.encode(PROMPT)).isfinite().all()
 
 
-def test_quantized_models_run_an_int8_head_on_a_cpu(tiny_model_dir, build, engine_on):
+def test_quantized_models_run_an_int8_head_on_a_cpu(tiny_model_dir, build, engine_on, cpu_kernel):
     artifact = build(tiny_model_dir, "int4", 32)
     engine = engine_on(artifact, dtype="auto")
     float_head = engine_on(artifact, dtype="auto", quantize_head=False)
-    assert engine.layer_kernels["lm_head"] == engine.describe().extra["head"] == KERNEL_INT8
+    assert engine.layer_kernels["lm_head"] == engine.describe().extra["head"] == cpu_kernel["int8"]
     assert float_head.layer_kernels["lm_head"] == KERNEL_LINEAR
     # fp32 models keep their float head (oneDNN or F.linear, whichever is timed faster here).
     assert engine_on(tiny_model_dir).layer_kernels["lm_head"] in (KERNEL_ONEDNN, KERNEL_LINEAR)
@@ -105,11 +108,11 @@ def test_a_bf16_model_attends_in_fp32_on_a_cpu(tiny_model_dir, tiny_engine, engi
     assert _relative_error(got, tiny_engine.logits(ids)) < 0.02
 
 
-def test_layered_artifact_mixes_kernels(tiny_model_dir, build, engine_on):
+def test_layered_artifact_mixes_kernels(tiny_model_dir, build, engine_on, cpu_kernel):
     engine = engine_on(build(tiny_model_dir, "layered"), dtype="auto")
     kernels = engine.layer_kernels
-    assert kernels["model.layers.0.self_attn.q_proj"] == KERNEL_INT4_CPU
-    assert kernels["model.layers.0.mlp.up_proj"] == KERNEL_INT8
+    assert kernels["model.layers.0.self_attn.q_proj"] == cpu_kernel["int4"]
+    assert kernels["model.layers.0.mlp.up_proj"] == cpu_kernel["int8"]
     info = engine.describe()
     assert info.quantization == "layered"
     assert info.version == "1.0.0" and info.model == "tiny"
@@ -140,7 +143,7 @@ def test_build_linear_rejects_tensors_that_contradict_the_layout():
         )
 
 
-def test_int4_padding_is_exact():
+def test_int4_padding_is_exact(torch_kernels_only):
     # K = 40 with group 32 pads to 64; padded activations must contribute nothing.
     torch.manual_seed(0)
     weight = torch.randn(48, 40)
@@ -247,7 +250,7 @@ def test_the_loader_runs_each_fp32_layer_on_its_timed_kernel(tiny_model_dir, eng
     torch.testing.assert_close(engine.logits(ids), engine_on(tiny_model_dir).logits(ids), rtol=0, atol=1e-4)
 
 
-def test_a_kernel_wrong_only_for_prefill_sized_inputs_is_not_used(monkeypatch):
+def test_a_kernel_wrong_only_for_prefill_sized_inputs_is_not_used(monkeypatch, torch_kernels_only):
     # Kernels with a tile per row bucket (the Triton int8 one) are probed at both a decode's and
     # a prefill chunk's row count; here the CPU int8 kernel is broken above 16 rows.
     from deployer.agent.engines.qlinear import PROBE_ROWS, Int8PackLinear

@@ -3,9 +3,9 @@
 The artifact stores int8 (per output channel) and int4 (group-wise, asymmetric) weights in one
 layout for every device (docs/artifact-format.md); this module derives the packing the device's
 kernels want (fp32 weights on a CPU run oneDNN's linear or MKL's, whichever `choose_float_kernels`
-times faster on this machine). For each
-layer the candidates are tried in order — the fused aten kernel for this
-device first, dequantize-once + `F.linear` last — and a candidate is kept only if it runs and
+times faster on this machine). For each layer the candidates are tried in order — on an AVX2 CPU
+our own kernels (native.py), then the fused aten kernel for this device, dequantize-once +
+`F.linear` last — and a candidate is kept only if it runs and
 agrees with the dequantized reference on a probe input. So an unsupported shape, a missing
 kernel or a packing convention that differs on some device falls back instead of giving wrong
 answers. `build_linear` says which kernel it chose; the engine reports it.
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deployer.agent.engines import native
 from deployer.core.manifest import INTEGER_SCHEMES
 from deployer.core.quant_layout import ROW_CHUNK, ModuleQuant, dequantize_int4, dequantize_int8
 from deployer.errors import FormatError
@@ -31,6 +32,8 @@ KERNEL_DEQUANT = "dequant+linear"
 KERNEL_INT8 = "aten._weight_int8pack_mm"
 KERNEL_INT8_TRITON = "triton int8 weight-only"
 KERNEL_INT4_CPU = "aten._weight_int4pack_mm_for_cpu"
+KERNEL_INT4_AVX2 = "sits.int4_linear (ours, AVX2)"
+KERNEL_INT8_AVX2 = "sits.int8_linear (ours, AVX2)"
 KERNEL_INT4_CUDA = "aten._weight_int4pack_mm"
 
 # torch 2.13's CPU _weight_int8pack_mm reads out of bounds (segfault, or wrong sums) unless K is
@@ -52,6 +55,9 @@ TIMED_SWEEPS = 3
 # oneDNN is kept only where it beats F.linear by this factor: a near-tie would otherwise flip
 # between loads, and F.linear's sums are MKL's, the ones transformers computes.
 ONEDNN_MARGIN = 0.9
+
+
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -300,6 +306,50 @@ class Int4PackLinear(_PackedLinear):
         )
 
 
+class _Avx2Linear(_PackedLinear):
+    """Shared frame of our AVX2 kernels (native.py): activations in the model's dtype (fp32 or
+    bf16, what the kernel returns too: compiled graphs then round where eager code does),
+    quantized to int16 per 32 columns inside the kernel; out_features a multiple of native.ROWS,
+    in_padded of native.BLOCK."""
+
+    def __init__(self, w: LinearWeights, layout: ModuleQuant, dtype: torch.dtype, group: int = native.BLOCK):
+        act = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        super().__init__(layout.in_features, layout.in_padded, act, _maybe(w.bias, _CPU, act))
+        if layout.out_features % native.ROWS or layout.in_padded % native.BLOCK or group % native.BLOCK:
+            shape = f"{layout.scheme} {layout.out_features}x{layout.in_padded}"
+            raise NotImplementedError(f"{shape} (group {group}) does not fit our kernel's blocks")
+        self.out_features = layout.out_features
+
+
+class Int4Avx2Linear(_Avx2Linear):
+    """int4 weights repacked for `sits::int4_linear`."""
+
+    def __init__(self, w: LinearWeights, layout: ModuleQuant, dtype: torch.dtype, kernels: native.CpuKernels):
+        group = layout.group_size or 0
+        super().__init__(w, layout, dtype, group or 1)
+        self._op = kernels.int4
+        scale, zero = _need(w.scale, "weight_scale"), _need(w.zero, "weight_zero")
+        self.register_buffer("packed", native.pack_int4(w.weight, scale, zero, group))
+
+    def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        return self._op(x2d.contiguous(), self.packed, self.out_features)
+
+
+class Int8Avx2Linear(_Avx2Linear):
+    """int8 weights (scaled per output row) repacked for `sits::int8_linear`."""
+
+    scales: torch.Tensor
+
+    def __init__(self, w: LinearWeights, layout: ModuleQuant, dtype: torch.dtype, kernels: native.CpuKernels):
+        super().__init__(w, layout, dtype)
+        self._op = kernels.int8
+        self.register_buffer("packed", native.pack_int8(w.weight))
+        self.register_buffer("scales", _need(w.scale, "weight_scale").float().contiguous())
+
+    def _mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        return self._op(x2d.contiguous(), self.packed, self.scales, self.out_features)
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """`t`, copied if its data is not 64-byte aligned: a memory-mapped tensor is only 8-byte
     aligned, and the CPU _weight_int8pack_mm segfaults below 16."""
@@ -352,16 +402,21 @@ def _candidates(
 ) -> list[tuple[str, Callable[[], nn.Module]]]:
     # The CPU kernels are fastest with bf16 activations; CUDA ones want bf16 (int4) or the model dtype.
     act = torch.bfloat16 if device.type == "cpu" or layout.scheme == "int4" else dtype
+    ours = native.cpu_kernels()[0] if device.type == "cpu" else None
+    mine: list[tuple[str, Callable[[], nn.Module]]] = []
     if layout.scheme == "int8":
+        mine = [] if ours is None else [(KERNEL_INT8_AVX2, lambda: Int8Avx2Linear(w, layout, dtype, ours))]
         if device.type == "cpu" and layout.in_features % INT8_CPU_K_MULTIPLE:
-            return []
+            return mine
         aten = (KERNEL_INT8, lambda: Int8PackLinear(w, act, device))
         if device.type == "cuda" and act in (torch.bfloat16, torch.float16):
             # On CUDA the aten kernel is slower than bf16 (FACTS.md); the Triton one is tried first.
             return [(KERNEL_INT8_TRITON, lambda: Int8TritonLinear(w, act, device)), aten]
-        return [aten]
-    kernel = KERNEL_INT4_CUDA if device.type == "cuda" else KERNEL_INT4_CPU
-    return [(kernel, lambda: Int4PackLinear(w, layout, act, device))]
+        return [*mine, aten]
+    if device.type == "cuda":
+        return [(KERNEL_INT4_CUDA, lambda: Int4PackLinear(w, layout, act, device))]
+    mine = [] if ours is None else [(KERNEL_INT4_AVX2, lambda: Int4Avx2Linear(w, layout, dtype, ours))]
+    return [*mine, (KERNEL_INT4_CPU, lambda: Int4PackLinear(w, layout, act, device))]
 
 
 def _try(make: Callable[[], nn.Module]) -> nn.Module | None:

@@ -307,7 +307,7 @@ def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | N
     configure_journal_logging()
     # Before any engine loads: torch reads these when it first compiles.
     caches = use_store_caches(settings.state_dir)
-    lifecycle_event("compile-caches", version=None, reason="inductor and Triton caches", **caches)
+    lifecycle_event("compile-caches", version=None, reason="inductor, Triton and CPU kernel caches", **caches)
     server = AgentServer(settings, engine_factory or engine_factory_for(settings))
     server.start()
     result = server.reload(reason="start")

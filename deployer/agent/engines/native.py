@@ -1,0 +1,160 @@
+"""Our own CPU kernels for int4 and int8 linears (cpu_kernels.cpp), built on the machine that runs them.
+
+Why hand-written: on x86 CPUs with AVX2 but no AVX-512 (many edge boxes), torch's
+`_weight_int4pack_mm_for_cpu` moves weights at 2-5 GB/s and `_weight_int8pack_mm` at about 8, so an
+int4 SmolLM2 decoded at a third of llama.cpp's speed on the same two cores (its int8 output head
+alone took 3.7 ms a token); inductor's generated int4 GEMV was slower still. No well-kept library
+gives torch weight-only int4/int8 matmuls on such CPUs (llama.cpp's ggml has them, but not as torch
+ops). The kernels do what ggml's Q4_1 x Q8_1 and Q8_0 x Q8_0 dots do (int8 activations, one
+multiply-add instruction per 32 weights), on weights repacked into one stream per thread.
+
+They are C++ against torch's own headers and runtime (`sits::int4_linear`, `sits::int8_linear`:
+ops the dispatcher, eager code and inductor's compiled graphs call alike), so they must be
+compiled against the torch that loads them. The first use on a machine compiles them with the
+system C++ compiler (about 35 s on two cores) into `core.kernel_cache.kernel_cache_dir()` (an
+agent's store, or the machine's cache for a local fleet), keyed by the source,
+torch's version and the compiler; later loads take the cached library. On a CPU that is not
+AVX2-only, without a compiler, or when the build fails, `cpu_kernels` says why and the layers
+keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deployer.core.kernel_cache import kernel_cache_dir
+
+__all__ = ["BLOCK", "ROWS", "CpuKernels", "cpu_kernels", "pack_int4", "pack_int8"]
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+ROWS = 4  # output rows packed together (ROWS in the source)
+BLOCK = 32  # columns per activation block and per scale (BLOCK in the source)
+FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+BUILD_TIMEOUT_S = 600
+_log = logging.getLogger("sits.agent")
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded ops: int4(x, packed, n) and int8(x, packed, scale, n), x fp32 [rows, in]."""
+
+    int4: Callable[..., torch.Tensor]
+    int8: Callable[..., torch.Tensor]
+
+
+_loaded: tuple[CpuKernels | None, str] | None = None
+
+
+def cpu_kernels() -> tuple[CpuKernels | None, str]:
+    """(the ops, "") once they are built and loaded in this process, else (None, why not). Builds
+    on first use (see the module docstring); thread-safe, and tried once per process."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _load()
+            if _loaded[0] is None:
+                _log.info("quantized layers keep torch's CPU kernels: %s", _loaded[1])
+        return _loaded
+
+
+def pack_int4(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The stored int4 layout (U8 [out, in/2], low nibble the even column; scale and zero per
+    group of `group_size` columns) repacked for the kernel: per ROWS output rows and per BLOCK
+    columns, the rows' nibbles, then each row's (scale, scale * zero) as float32."""
+    out, half = weight.shape
+    blocks = half * 2 // BLOCK
+    per = group_size // BLOCK
+    scale = scale.float().repeat_interleave(per, dim=1)
+    shifted = scale * zero.float().repeat_interleave(per, dim=1)
+    nibbles = weight.reshape(out // ROWS, ROWS, blocks, BLOCK // 2).transpose(1, 2)
+    factors = torch.stack((scale, shifted), dim=-1).reshape(out // ROWS, ROWS, blocks, 2).transpose(1, 2)
+    factor_bytes = factors.contiguous().view(torch.uint8).reshape(out // ROWS, blocks, ROWS * 8)
+    return torch.cat(
+        (nibbles.reshape(out // ROWS, blocks, ROWS * BLOCK // 2), factor_bytes), dim=-1
+    ).contiguous()
+
+
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """int8 weights [out, in] (scaled per output row) repacked for the kernel: per ROWS output
+    rows and per BLOCK columns, the rows' BLOCK bytes."""
+    out, n_in = weight.shape
+    blocks = weight.reshape(out // ROWS, ROWS, n_in // BLOCK, BLOCK).transpose(1, 2)
+    return blocks.contiguous().view(torch.uint8).reshape(out // ROWS, -1)
+
+
+def _load() -> tuple[CpuKernels | None, str]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX2":
+        # With AVX-512 torch's own kernels were fast already (compiled int4 at 1.26x llama.cpp).
+        return None, f"torch's own kernels serve this CPU ({capability}); ours are for AVX2 without AVX-512"
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return None, "no C++ compiler to build our AVX2 kernels (install g++)"
+    try:
+        library = _built(compiler)
+        torch.ops.load_library(str(library))
+        torch.library.register_fake("sits::int4_linear")(_int4_shape)
+        torch.library.register_fake("sits::int8_linear")(_int8_shape)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"our AVX2 kernels did not build or load: {str(exc).strip()[-300:]}"
+    return CpuKernels(torch.ops.sits.int4_linear, torch.ops.sits.int8_linear), ""
+
+
+def _int4_shape(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """What the op returns, for torch.compile's tracing."""
+    return x.new_empty((x.shape[0], n))
+
+
+def _int8_shape(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """What the op returns, for torch.compile's tracing."""
+    return x.new_empty((x.shape[0], n))
+
+
+def _built(compiler: str) -> Path:
+    """The compiled library, from the cache or built into it now."""
+    from torch.utils import cpp_extension
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    key = hashlib.sha256(
+        "\0".join((SOURCE.read_text(), torch.__version__, version, abi, *FLAGS)).encode()
+    ).hexdigest()[:16]
+    cache = kernel_cache_dir()
+    library = cache / f"sits_cpu_kernels-{key}.so"
+    if library.exists():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    # One build per machine: the agents of a local fleet start together and would each compile.
+    with (cache / ".build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():  # built while this process waited
+            return library
+        includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+        libraries = [f"-L{path}" for path in cpp_extension.library_paths()]
+        with tempfile.TemporaryDirectory(dir=cache) as scratch:
+            built = Path(scratch) / library.name
+            command = [compiler, *FLAGS, abi, *includes, str(SOURCE), "-o", str(built), *libraries]
+            command += ["-lc10", "-ltorch_cpu", "-ltorch"]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr)
+            built.replace(library)  # atomic: a reader never sees half a library
+    return library
+
+
+if __name__ == "__main__":  # scripts/setup.sh: build them once, before the demo's agents need them
+    found, why = cpu_kernels()
+    print("our AVX2 CPU kernels:", f"ready in {kernel_cache_dir()}" if found else f"not used: {why}")
