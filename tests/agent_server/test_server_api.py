@@ -111,8 +111,13 @@ def test_models_lists_active_then_previous(agent, client, tiny_model_dir_b):
     (only,) = client.models.list().data
     assert only.id == f"{agent.manager.active_info().model}@v1"
     assert (only.status, only.version, only.quantization) == ("active", "v1", "fp32")
-    # fp32 on a CPU: oneDNN's linear or F.linear, per shape, whichever the load timed faster.
-    assert set(only.kernel.split("+")) <= {"mkldnn._linear_pointwise", "linear"}
+    # fp32 on a CPU: ours on an AVX2-only CPU, else oneDNN's linear or F.linear, per shape,
+    # whichever the load timed faster.
+    assert set(only.kernel.split("+")) <= {
+        "mkldnn._linear_pointwise",
+        "linear",
+        "sits.fp32_linear (ours, AVX2)",
+    }
     # The engine's own facts come along: on a CPU the KV cache is fp32 and compile stays off.
     assert (only.extra["kv_cache"], only.extra["compile"]) == ("float32", "off")
     assert only.extra == agent.manager.active_info().extra

@@ -125,8 +125,8 @@ def varied_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: P
 
 @pytest.fixture(scope="session")
 def cpu_kernel() -> dict[str, str]:
-    """The kernel each quantized scheme runs on this CPU: ours where they build here (an AVX2 CPU
-    with a C++ compiler, as CI's), else torch's."""
+    """The kernel each quantized scheme runs on this CPU: ours on an AVX2 CPU without AVX-512 and
+    with a C++ compiler, else torch's (CI's machines have been of both kinds)."""
     if native.cpu_kernels()[0] is not None:
         return {"int4": KERNEL_INT4_AVX2, "int8": KERNEL_INT8_AVX2}
     return {"int4": KERNEL_INT4_CPU, "int8": KERNEL_INT8}

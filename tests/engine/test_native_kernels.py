@@ -1,14 +1,17 @@
-"""Our AVX2 int4 and int8 kernels (engines/native.py): their answers against the dequantized
+"""Our AVX2 int4, int8 and fp32 kernels (engines/native.py): their answers against the dequantized
 weights, the layers that may use them, the input they refuse, a compiled graph calling them, and
 what happens where they cannot be built."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from deployer.agent.engines import native
 from deployer.agent.engines.qlinear import (
+    KERNEL_FP32_AVX2,
     KERNEL_INT4_AVX2,
     KERNEL_INT4_CPU,
     KERNEL_INT8_AVX2,
@@ -23,18 +26,21 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def kernels() -> native.CpuKernels:
-    """The kernels, or a skip naming why this machine does not use them (not AVX2-only, no
-    compiler): an AVX2 machine with a compiler that fails the build fails the test instead."""
-    found, why = native.cpu_kernels()
-    if found is None and (not _avx2_only() or "no C++ compiler" in why):
+def kernels() -> Iterator[native.CpuKernels]:
+    """The kernels, built on any CPU with AVX2 (AVX-512 ones too, where the layers would otherwise
+    keep torch's) and chosen by the layers built in the test; a skip naming why on a CPU without
+    AVX2 or without a compiler: a machine that has both and fails the build fails the test."""
+    found, why = native.built_kernels()
+    if found is None and (not _has_avx2() or "no C++ compiler" in why):
         pytest.skip(why)
     assert found is not None, why
-    return found
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "cpu_kernels", native.built_kernels)
+        yield found
 
 
-def _avx2_only() -> bool:
-    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+def _has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def _int4(out: int, n_in: int, group: int) -> tuple[LinearWeights, ModuleQuant, torch.Tensor]:
@@ -51,6 +57,20 @@ def _int8(out: int, n_in: int) -> tuple[LinearWeights, ModuleQuant, torch.Tensor
     return LinearWeights(q, scale=scale), layout, dequantize_int8(q, scale)
 
 
+def _fp32(out: int, n_in: int) -> tuple[LinearWeights, None, torch.Tensor]:
+    torch.manual_seed(0)
+    weight = torch.randn(out, n_in)
+    return LinearWeights(weight), None, weight
+
+
+_WEIGHTS = {
+    "int4": _int4,
+    "int8": lambda out, n_in, group: _int8(out, n_in),
+    "fp32": lambda out, n_in, group: _fp32(out, n_in),
+}
+KERNELS = {"int4": KERNEL_INT4_AVX2, "int8": KERNEL_INT8_AVX2, "fp32": KERNEL_FP32_AVX2}
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
@@ -62,20 +82,31 @@ CASES = [
     ("int4", 8, 40, 32),  # 40 columns padded to 64
     ("int8", 64, 64, None),
     ("int8", 100, 256, None),
+    ("fp32", 64, 64, None),
+    ("fp32", 100, 256, None),
 ]
 
 
-@pytest.mark.parametrize(("scheme", "out", "n_in", "group"), CASES)
+# fp32 weights in a bf16 model are cast to bf16 and run F.linear: no bf16 case for them.
+DTYPED = [
+    (*case, dtype)
+    for case in CASES
+    for dtype in (torch.float32, torch.bfloat16)
+    if case[0] != "fp32" or dtype == torch.float32
+]
+
+
+@pytest.mark.parametrize(("scheme", "out", "n_in", "group", "dtype"), DTYPED)
 @pytest.mark.parametrize("rows", [1, 3, 17])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernels_match_the_dequantized_weights(kernels, scheme, out, n_in, group, rows, dtype):
-    weights, layout, dense = _int4(out, n_in, group) if scheme == "int4" else _int8(out, n_in)
+def test_the_kernels_match_the_dequantized_weights(kernels, scheme, out, n_in, group, dtype, rows):
+    weights, layout, dense = _WEIGHTS[scheme](out, n_in, group)
     layer, kernel = build_linear("x", weights, layout, CPU, dtype)
-    assert kernel == (KERNEL_INT4_AVX2 if scheme == "int4" else KERNEL_INT8_AVX2)
+    assert kernel == KERNELS[scheme]
     x = torch.randn(rows, n_in).to(dtype)
     got = layer(x)
     assert got.dtype == dtype  # the kernel answers in the model's dtype, as torch's kernels do
-    # Only the activations' int16 rounding (per 32 columns) and bf16's own separate them.
+    # Only the activations' int16 rounding (per 32 columns) and bf16's own separate them (fp32:
+    # the order of the sums).
     assert _relative_error(got.float(), x.float() @ dense.t()) < (2e-2 if dtype == torch.bfloat16 else 1e-3)
     # Rows are independent: a batch gives each row what it gets alone.
     torch.testing.assert_close(layer(x)[-1:], layer(x[-1:]), rtol=0, atol=0)
@@ -88,6 +119,8 @@ def test_a_layer_the_kernel_cannot_take_keeps_torchs(kernels):
     assert build_linear("x", weights, layout, CPU, torch.float32)[1] != KERNEL_INT4_AVX2
     weights, layout, _ = _int8(64, 72)  # 72 columns: not whole blocks of 32
     assert build_linear("x", weights, layout, CPU, torch.float32)[1] != KERNEL_INT8_AVX2
+    weights, _, _ = _fp32(64, 72)
+    assert build_linear("x", weights, None, CPU, torch.float32)[1] != KERNEL_FP32_AVX2
 
 
 def test_the_ops_refuse_weights_that_do_not_match_their_input(kernels):
@@ -104,9 +137,9 @@ def test_the_ops_refuse_weights_that_do_not_match_their_input(kernels):
         kernels.int8(torch.randn(1, 64), native.pack_int8(weights.weight), torch.ones(3), 64)
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "fp32"])
 def test_the_ops_compile_into_a_graph(kernels, scheme):
-    weights, layout, _ = _int4(64, 64, 32) if scheme == "int4" else _int8(64, 64)
+    weights, layout, _ = _WEIGHTS[scheme](64, 64, 32)
     layer, _ = build_linear("x", weights, layout, CPU, torch.float32)
     x = torch.randn(2, 64)
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
@@ -118,7 +151,7 @@ def test_without_a_compiler_layers_keep_torchs_kernels_and_say_why(monkeypatch, 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     monkeypatch.setenv("SITS_KERNEL_CACHE_DIR", str(tmp_path / "kernels"))
     found, why = native._load()
-    if not _avx2_only():
+    if not _has_avx2():
         pytest.skip(why)
     assert found is None
     assert "did not build or load" in why and "no-such-c++" in why

@@ -8,6 +8,7 @@ import torch
 
 from deployer.agent.engines.qlinear import (
     KERNEL_DEQUANT,
+    KERNEL_FP32_AVX2,
     KERNEL_INT4_CPU,
     KERNEL_INT8,
     KERNEL_LINEAR,
@@ -90,7 +91,11 @@ def test_quantized_models_run_an_int8_head_on_a_cpu(tiny_model_dir, build, engin
     assert engine.layer_kernels["lm_head"] == engine.describe().extra["head"] == cpu_kernel["int8"]
     assert float_head.layer_kernels["lm_head"] == KERNEL_LINEAR
     # fp32 models keep their float head (oneDNN or F.linear, whichever is timed faster here).
-    assert engine_on(tiny_model_dir).layer_kernels["lm_head"] in (KERNEL_ONEDNN, KERNEL_LINEAR)
+    assert engine_on(tiny_model_dir).layer_kernels["lm_head"] in (
+        KERNEL_ONEDNN,
+        KERNEL_LINEAR,
+        KERNEL_FP32_AVX2,
+    )
     ids = engine.encode(PROMPT)
     got, want = engine.logits(ids), float_head.logits(ids)
     assert got.dtype == torch.float32
@@ -160,7 +165,7 @@ def test_int4_padding_is_exact(torch_kernels_only):
     assert _relative_error(layer(x), want) < 0.02
 
 
-def test_fp32_on_a_cpu_runs_onednn_and_falls_back_to_f_linear(monkeypatch):
+def test_fp32_on_a_cpu_runs_onednn_and_falls_back_to_f_linear(monkeypatch, torch_kernels_only):
     weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(3, 64)
     layer, kernel = build_linear("m", LinearWeights(weight, bias), None, torch.device("cpu"), torch.float32)
     assert kernel == KERNEL_ONEDNN
@@ -225,7 +230,9 @@ def test_float_kernels_are_chosen_per_shape_by_their_timings():
     assert "32x64 linear (linear 2.00 ms, oneDNN 6.00 ms)" in choice.note
 
 
-def test_the_loader_runs_each_fp32_layer_on_its_timed_kernel(tiny_model_dir, engine_on, monkeypatch):
+def test_the_loader_runs_each_fp32_layer_on_its_timed_kernel(
+    tiny_model_dir, engine_on, monkeypatch, torch_kernels_only
+):
     from deployer.agent.engines import loader
 
     def f_linear_faster_for_qkv_only(layers):

@@ -1,5 +1,8 @@
-// int4 and int8 weight-only linears for x86 CPUs with AVX2 and FMA: y = x @ W.T (see
+// int4, int8 and fp32 weight linears for x86 CPUs with AVX2 and FMA: y = x @ W.T (see
 // deployer/agent/engines/native.py for why they exist and how they are built).
+//
+// fp32 weights stay as stored: each thread streams its rows one after the other, a dot product
+// each, the input row in L1.
 //
 // The activations are quantized to int16 per 32 columns, so a block of 32 weights is two
 // _mm256_madd_epi16 against them. The weights come repacked (native.pack_int4,
@@ -183,13 +186,46 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                             scale.data_ptr<float>());
 }
 
+// y [m_rows, n] = x @ w.T for fp32 x [m_rows, k] and w [n, k], k a multiple of 32.
+at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "fp32_linear: x must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
+              "fp32_linear: w must be a contiguous float32 [n, k] tensor with x's k");
+  const int64_t m_rows = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(k % BLOCK == 0, "fp32_linear: in_features ", k, " is not a multiple of ", BLOCK);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  at::Tensor y = at::empty({m_rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      const float* weights = wp + row * k;
+      for (int64_t m = 0; m < m_rows; ++m) {
+        const float* in = xp + m * k;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = 0; c < k; c += BLOCK) {
+          _mm_prefetch(reinterpret_cast<const char*>(weights + c + 256), _MM_HINT_T0);
+          for (int j = 0; j < 4; ++j) {
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(weights + c + 8 * j), _mm256_loadu_ps(in + c + 8 * j), acc[j]);
+          }
+        }
+        yp[m * n + row] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sits, m) {
   m.def("int4_linear(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor");
+  m.def("fp32_linear(Tensor x, Tensor w) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(sits, CPU, m) {
   m.impl("int4_linear", int4_linear);
   m.impl("int8_linear", int8_linear);
+  m.impl("fp32_linear", fp32_linear);
 }

@@ -1,21 +1,23 @@
-"""Our own CPU kernels for int4 and int8 linears (cpu_kernels.cpp), built on the machine that runs them.
+"""Our own CPU kernels for int4, int8 and fp32 linears (cpu_kernels.cpp), built on the machine that runs them.
 
 Why hand-written: on x86 CPUs with AVX2 but no AVX-512 (many edge boxes), torch's
 `_weight_int4pack_mm_for_cpu` moves weights at 2-5 GB/s and `_weight_int8pack_mm` at about 8, so an
 int4 SmolLM2 decoded at a third of llama.cpp's speed on the same two cores (its int8 output head
 alone took 3.7 ms a token); inductor's generated int4 GEMV was slower still. No well-kept library
 gives torch weight-only int4/int8 matmuls on such CPUs (llama.cpp's ggml has them, but not as torch
-ops). The kernels do what ggml's Q4_1 x Q8_1 and Q8_0 x Q8_0 dots do (int8 activations, one
-multiply-add instruction per 32 weights), on weights repacked into one stream per thread.
+ops). The kernels do what ggml's Q4_1 x Q8_1 and Q8_0 x Q8_0 dots do (quantized activations, one
+multiply-add instruction per 16 weights), on weights repacked into one stream per thread. For fp32
+at one token a step, MKL and oneDNN read the weights at 4-6 GB/s on those CPUs against 10 for a
+plain row-streaming dot product.
 
-They are C++ against torch's own headers and runtime (`sits::int4_linear`, `sits::int8_linear`:
-ops the dispatcher, eager code and inductor's compiled graphs call alike), so they must be
-compiled against the torch that loads them. The first use on a machine compiles them with the
+They are C++ against torch's own headers and runtime (`sits::int4_linear`, `sits::int8_linear`,
+`sits::fp32_linear`: ops the dispatcher, eager code and inductor's compiled graphs call alike), so
+they must be compiled against the torch that loads them. The first use on a machine compiles them with the
 system C++ compiler (about 35 s on two cores) into `core.kernel_cache.kernel_cache_dir()` (an
 agent's store, or the machine's cache for a local fleet), keyed by the source,
-torch's version and the compiler; later loads take the cached library. On a CPU that is not
-AVX2-only, without a compiler, or when the build fails, `cpu_kernels` says why and the layers
-keep torch's kernels.
+torch's version and the compiler; later loads take the cached library. On a CPU with AVX-512
+(where torch's kernels are fast), without a compiler, or when the build fails, `cpu_kernels` says
+why and the layers keep torch's kernels.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 from deployer.core.kernel_cache import kernel_cache_dir
 
-__all__ = ["BLOCK", "ROWS", "CpuKernels", "cpu_kernels", "pack_int4", "pack_int8"]
+__all__ = ["BLOCK", "ROWS", "CpuKernels", "built_kernels", "cpu_kernels", "pack_int4", "pack_int8"]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ROWS = 4  # output rows packed together (ROWS in the source)
@@ -49,18 +51,31 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """The loaded ops: int4(x, packed, n) and int8(x, packed, scale, n), x fp32 [rows, in]."""
+    """The loaded ops: int4(x, packed, n), int8(x, packed, scale, n) (x fp32 or bf16 [rows, in])
+    and fp32(x, w) (both fp32, w [out, in] as stored)."""
 
     int4: Callable[..., torch.Tensor]
     int8: Callable[..., torch.Tensor]
+    fp32: Callable[..., torch.Tensor]
 
 
 _loaded: tuple[CpuKernels | None, str] | None = None
 
 
 def cpu_kernels() -> tuple[CpuKernels | None, str]:
-    """(the ops, "") once they are built and loaded in this process, else (None, why not). Builds
-    on first use (see the module docstring); thread-safe, and tried once per process."""
+    """The ops the layers should use on this CPU, or (None, why not): ours on AVX2 CPUs without
+    AVX-512 (see built_kernels), torch's elsewhere."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX2":
+        # With AVX-512 torch's own kernels were fast already (compiled int4 at 1.26x llama.cpp).
+        return None, f"torch's own kernels serve this CPU ({capability}); ours are for AVX2 without AVX-512"
+    return built_kernels()
+
+
+def built_kernels() -> tuple[CpuKernels | None, str]:
+    """(the ops, "") once they are built and loaded in this process, on any CPU with AVX2 and FMA
+    (AVX-512 CPUs have both: the tests run the kernels there too), else (None, why not). Builds on
+    first use (see the module docstring); thread-safe, and tried once per process."""
     global _loaded
     with _lock:
         if _loaded is None:
@@ -97,9 +112,8 @@ def pack_int8(weight: torch.Tensor) -> torch.Tensor:
 
 def _load() -> tuple[CpuKernels | None, str]:
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX2":
-        # With AVX-512 torch's own kernels were fast already (compiled int4 at 1.26x llama.cpp).
-        return None, f"torch's own kernels serve this CPU ({capability}); ours are for AVX2 without AVX-512"
+    if capability not in ("AVX2", "AVX512"):  # torch says AVX2 only where FMA is there too
+        return None, f"this CPU ({capability}) has no AVX2 and FMA for our kernels"
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return None, "no C++ compiler to build our AVX2 kernels (install g++)"
@@ -108,9 +122,11 @@ def _load() -> tuple[CpuKernels | None, str]:
         torch.ops.load_library(str(library))
         torch.library.register_fake("sits::int4_linear")(_int4_shape)
         torch.library.register_fake("sits::int8_linear")(_int8_shape)
+        torch.library.register_fake("sits::fp32_linear")(_fp32_shape)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"our AVX2 kernels did not build or load: {str(exc).strip()[-300:]}"
-    return CpuKernels(torch.ops.sits.int4_linear, torch.ops.sits.int8_linear), ""
+    ops = torch.ops.sits
+    return CpuKernels(ops.int4_linear, ops.int8_linear, ops.fp32_linear), ""
 
 
 def _int4_shape(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -121,6 +137,11 @@ def _int4_shape(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 def _int8_shape(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     """What the op returns, for torch.compile's tracing."""
     return x.new_empty((x.shape[0], n))
+
+
+def _fp32_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the op returns, for torch.compile's tracing."""
+    return x.new_empty((x.shape[0], w.shape[0]))
 
 
 def _built(compiler: str) -> Path:
@@ -155,6 +176,7 @@ def _built(compiler: str) -> Path:
     return library
 
 
-if __name__ == "__main__":  # scripts/setup.sh: build them once, before the demo's agents need them
-    found, why = cpu_kernels()
-    print("our AVX2 CPU kernels:", f"ready in {kernel_cache_dir()}" if found else f"not used: {why}")
+if __name__ == "__main__":  # scripts/setup.sh: build them once, before agents or tests need them
+    found, why = built_kernels()
+    print("our AVX2 CPU kernels:", f"built in {kernel_cache_dir()}" if found else f"not built: {why}")
+    print("layers on this CPU use:", "ours" if cpu_kernels()[0] else f"torch's ({cpu_kernels()[1]})")

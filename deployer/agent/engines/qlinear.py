@@ -34,6 +34,7 @@ KERNEL_INT8_TRITON = "triton int8 weight-only"
 KERNEL_INT4_CPU = "aten._weight_int4pack_mm_for_cpu"
 KERNEL_INT4_AVX2 = "sits.int4_linear (ours, AVX2)"
 KERNEL_INT8_AVX2 = "sits.int8_linear (ours, AVX2)"
+KERNEL_FP32_AVX2 = "sits.fp32_linear (ours, AVX2)"
 KERNEL_INT4_CUDA = "aten._weight_int4pack_mm"
 
 # torch 2.13's CPU _weight_int8pack_mm reads out of bounds (segfault, or wrong sums) unless K is
@@ -153,6 +154,22 @@ class OneDnnLinear(FloatLinear):
             # Inductor lowers this op only for weights frozen into the graph; F.linear it takes.
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+class Fp32Avx2Linear(FloatLinear):
+    """fp32 weights [out, in] as stored, through our AVX2 kernel (native.py): on AVX2-only CPUs
+    MKL and oneDNN read SmolLM2's fp32 weights at 6-14 GB/s at one row a token."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.CpuKernels) -> None:
+        if weight.dtype != torch.float32 or weight.shape[1] % native.BLOCK:
+            raise NotImplementedError(f"fp32 {weight.shape[0]}x{weight.shape[1]} does not fit our kernel")
+        super().__init__(weight.contiguous(), bias)
+        self._op = kernels.fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias."""
+        y = self._op(x.reshape(-1, x.shape[-1]).contiguous(), self.weight).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
 
 
 # Seconds one call of a layer on an input takes (choose_float_kernels; tests pass their own).
@@ -382,6 +399,11 @@ def build_linear(
         if layout is not None:
             check_shapes(name, w, layout)
         weight, bias = w.weight.to(device, dtype), _maybe(w.bias, device, dtype)
+        ours = native.cpu_kernels()[0] if device.type == "cpu" and dtype == torch.float32 else None
+        if ours is not None:
+            mine = _try(lambda: Fp32Avx2Linear(weight, bias, ours))
+            if mine is not None and _agrees(mine, *_probe(w, None), device, dtype):
+                return mine, KERNEL_FP32_AVX2
         if device.type == "cpu" and dtype == torch.float32:
             onednn = _try(lambda: OneDnnLinear(weight, bias))
             if onednn is not None and _agrees(onednn, *_probe(w, None), device, dtype):
