@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from deployer.agent.engines.torch_engine import TorchEngine, common_prefix
+from deployer.agent.engines.base import common_prefix
+from deployer.agent.engines.torch_engine import TorchEngine
 
 NEW_TOKENS = 128
 PROMPT_TOKENS = 32

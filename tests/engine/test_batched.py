@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from deployer.agent.engines.base import SamplingParams
+from deployer.agent.engines.base import SamplingParams, common_prefix
 from deployer.errors import AgentError
 
 GREEDY = SamplingParams(max_tokens=128, temperature=0)
@@ -76,6 +76,50 @@ def test_prefix_reuse_skips_the_shared_part_and_changes_nothing(varied_model_dir
     # a prompt that diverges early reuses only the common part and still answers the same
     other = system[:3] + engine.encode(" something else entirely")
     assert run(engine, 1, other, GREEDY, 12) == run(fresh, 1, other, GREEDY, 12)
+
+
+def _continue(engine, firsts, slots, n):
+    """Step `slots` (started with `firsts`) together for n - 1 more tokens; each one's tokens."""
+    got = [[first] for first in firsts]
+    for _ in range(n - 1):
+        for tokens, token in zip(got, engine.step(slots), strict=True):
+            tokens.append(token)
+    for slot in slots:
+        engine.release(slot)
+    return got
+
+
+def test_prompts_started_together_copy_a_shared_prefix_and_answer_as_alone(varied_model_dir, engine_on):
+    engine = engine_on(varied_model_dir, slots=4)
+    fresh = engine_on(varied_model_dir, slots=4)
+    system = engine.encode("You are a helpful assistant. The capital of France is Paris. Be brief.")
+    prompts = [system + engine.encode(q) for q in (" And of Italy?", " And of Spain?")]
+    prompts += [system, engine.encode(PROMPTS[2])]
+    alone = [run(fresh, 0, p, GREEDY, 12) for p in prompts]
+    before = int(engine.describe().extra["prefix_tokens_reused"])
+    firsts = engine.prefill_many([(slot, p, GREEDY) for slot, p in enumerate(prompts)])
+    # slots 1 and 2 copied from slot 0, run earlier in the same call: slot 1 what its prompt
+    # shares with slot 0's (the system prompt and " And of"), slot 2 all but the last token of its
+    # prompt, the system prompt itself
+    shared = common_prefix(prompts[0], prompts[1])
+    assert shared > len(system)
+    assert int(engine.describe().extra["prefix_tokens_reused"]) - before == shared + len(system) - 1
+    assert _continue(engine, firsts, [0, 1, 2, 3], 12) == alone
+    # again: every prompt is in its slot's cache up to its last token, and those four last tokens
+    # run as one batched step
+    firsts = engine.prefill_many([(slot, p, GREEDY) for slot, p in enumerate(prompts)])
+    assert _continue(engine, firsts, [0, 1, 2, 3], 12) == alone
+
+
+def test_a_bad_prompt_among_others_fails_alone(engine):
+    good = engine.encode(PROMPTS[0])
+    want = run(engine, 0, good, GREEDY, 4)
+    out = engine.prefill_many([(0, [10**9], GREEDY), (1, good, GREEDY), (2, good, SamplingParams(top_k=-1))])
+    assert isinstance(out[0], AgentError) and "token id 1000000000 is not in the vocabulary" in str(out[0])
+    assert isinstance(out[2], AgentError) and "top_k" in str(out[2])
+    assert _continue(engine, [out[1]], [1], 4) == [want]
+    with pytest.raises(AgentError, match="name a slot twice"):
+        engine.prefill_many([(0, good, GREEDY), (0, good, GREEDY)])
 
 
 def test_same_seed_same_tokens_different_seed_different(engine):

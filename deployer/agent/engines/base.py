@@ -157,6 +157,31 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+# A slot's cache is copied from another's when that saves at least this many prompt tokens: the
+# copy is not free (llama.cpp moves the whole stream), and a short shared prefix saves little.
+SHARE_FROM = 16
+
+
+def prefix_donor(slot: int, prompt: Sequence[int], held: Sequence[Sequence[int]]) -> tuple[int | None, int]:
+    """(the other slot whose cache holds the longest prefix of `prompt`, when copying it saves
+    decoding at least SHARE_FROM tokens more than `slot`'s own cache does, else None; how many
+    leading prompt tokens the cache `slot` starts from then holds, at most all but the last).
+    `held[s]` is what slot s's cache holds."""
+    usable = len(prompt) - 1  # the last prompt token is always decoded: its logits give a token
+    own = min(common_prefix(held[slot], prompt), usable)
+    shared = {o: min(common_prefix(ids, prompt), usable) for o, ids in enumerate(held) if o != slot}
+    best = max(shared, key=lambda other: shared[other], default=None)
+    if best is not None and shared[best] - own >= SHARE_FROM:
+        return best, shared[best]
+    return None, own
+
+
+def longest_prefix_slot(free: Sequence[int], prompt: Sequence[int], held: Sequence[Sequence[int]]) -> int:
+    """The free slot whose cache (`held[s]`) shares the longest prefix with `prompt`, the first of
+    `free` on a tie."""
+    return max(free, key=lambda s: common_prefix(held[s], prompt))
+
+
 @dataclass(frozen=True)
 class Logprob:
     """One token's log-probability; `token` is its bytes (a piece of a character, possibly)."""

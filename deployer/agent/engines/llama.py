@@ -219,7 +219,7 @@ class Attention(nn.Module):
         left alone (embeddings).
         """
         _, t, _ = x.shape
-        cache = self._cache()
+        cache = self.require_cache()
         q, k, v = self._rotated_qkv(x, cos, sin, cache.k.dtype)
         if slot is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -238,7 +238,8 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim).to(x.dtype))
 
-    def _cache(self) -> KVCache:
+    def require_cache(self) -> KVCache:
+        """This layer's KV cache; AgentError before setup_caches."""
         if self.kv_cache is None:
             raise AgentError("the KV cache is not set up", hint="call Transformer.setup_caches first")
         return self.kv_cache
@@ -260,7 +261,7 @@ class Attention(nn.Module):
         use (`kv_len`) and `mask` True where a key is seen (None: all), for torch's fused attention.
         """
         b = x.shape[0]
-        cache = self._cache()
+        cache = self.require_cache()
         q, k, v = self._rotated_qkv(x, cos, sin, cache.k.dtype)
         cache.k[rows, :, pos] = k[:, :, 0]
         cache.v[rows, :, pos] = v[:, :, 0]
@@ -413,6 +414,14 @@ class Transformer(nn.Module):
         if not all_logits:
             x = x[:, -1:]
         return self._logits(x)
+
+    def copy_prefix(self, source: int, dest: int, length: int) -> None:
+        """Copy cache positions 0..length-1 of slot `source` into slot `dest`, in every layer: a
+        prompt that starts with what another slot holds skips that part of its prefill."""
+        for layer in self._layers():
+            cache = layer.self_attn.require_cache()
+            cache.k[dest, :, :length] = cache.k[source, :, :length]
+            cache.v[dest, :, :length] = cache.v[source, :, :length]
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, T, D] (after the final norm) of tokens [1, T] run from position

@@ -42,10 +42,13 @@ import numpy as np
 
 from deployer.agent.engines.base import (
     GREEDY_BELOW,
+    SHARE_FROM,
     SamplingParams,
     TokenLogprobs,
     check_params,
     common_prefix,
+    longest_prefix_slot,
+    prefix_donor,
     token_of,
 )
 from deployer.agent.engines.logits import TokenProcessor
@@ -57,9 +60,6 @@ __all__ = ["BatchContext", "PrefillItem", "cheapest_group", "measured_sizes"]
 PrefillItem = tuple[int, Sequence[int], SamplingParams, "TokenProcessor | None"]
 
 _MEASURED_UP_TO = 64  # bigger batches cost about proportionally more on a CPU: extrapolated
-# A slot's cache is copied from another when that saves decoding at least this many prompt tokens
-# (the copy moves the whole stream, context_length positions).
-_SHARE_FROM = 16
 
 
 @dataclass
@@ -115,8 +115,8 @@ class BatchContext:
         return len(self._slots)
 
     def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
-        """The free slot whose cache shares the longest prefix with `prompt` (the first on a tie)."""
-        return max(free, key=lambda s: common_prefix(self._slot(s).cached, prompt))
+        """See base.longest_prefix_slot."""
+        return longest_prefix_slot(free, prompt, [state.cached for state in self._slots])
 
     def prefill(
         self,
@@ -155,7 +155,7 @@ class BatchContext:
             # Beside the caches that exist, a prompt decoded in this call may be a better donor.
             _, known = self._donor(slot, prompt)
             ahead = max((common_prefix(p, prompt) for _, p in first), default=0)
-            (later if min(ahead, len(prompt) - 1) - known >= _SHARE_FROM else first).append(
+            (later if min(ahead, len(prompt) - 1) - known >= SHARE_FROM else first).append(
                 (slot, list(prompt))
             )
         for group in (first, later):
@@ -316,20 +316,8 @@ class BatchContext:
         return state.last
 
     def _donor(self, slot: int, prompt: Sequence[int]) -> tuple[int | None, int]:
-        """(the other slot whose cache holds the longest prefix of `prompt`, when copying it saves
-        decoding at least _SHARE_FROM tokens more than `slot`'s own cache does, else None; how many
-        leading prompt tokens the cache `slot` starts from then holds, at most all but the last)."""
-        usable = len(prompt) - 1  # the last prompt token is always decoded
-        own = min(common_prefix(self._slots[slot].cached, prompt), usable)
-        shared = {
-            other: min(common_prefix(state.cached, prompt), usable)
-            for other, state in enumerate(self._slots)
-            if other != slot
-        }
-        best = max(shared, key=lambda other: shared[other], default=None)
-        if best is not None and shared[best] - own >= _SHARE_FROM:
-            return best, shared[best]
-        return None, own
+        """See base.prefix_donor."""
+        return prefix_donor(slot, prompt, [state.cached for state in self._slots])
 
     def _clear(self, slots: int) -> None:
         """Empty the caches of slots 0 to `slots` - 1."""

@@ -35,8 +35,9 @@ from deployer.agent.engines.base import (
     SamplingParams,
     TokenEvent,
     TokenLogprobs,
-    common_prefix,
     in_pieces,
+    longest_prefix_slot,
+    prefix_donor,
     token_budget,
     token_of,
 )
@@ -378,22 +379,68 @@ class TorchEngine(Engine):
         """How many sequences the KV cache holds."""
         return self._slots
 
-    @torch.inference_mode()
+    def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
+        """See Engine.choose_slot: the free slot holding the longest prefix of `prompt`."""
+        return longest_prefix_slot(free, prompt, [state.held for state in self._state])
+
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
-        """Start `slot` on `prompt`; see Engine.prefill. The part of the prompt that the slot's
-        cache already holds (a shared system prompt, the earlier turns of a chat) is not run again."""
+        """Start `slot` on `prompt`; see Engine.prefill and prefill_many."""
+        return token_of(self.prefill_many([(slot, prompt, params)])[0])
+
+    @torch.inference_mode()
+    def prefill_many(
+        self, items: Sequence[tuple[int, Sequence[int], SamplingParams]]
+    ) -> list[int | Exception]:
+        """Start several (slot, prompt, params); see Engine.prefill_many. The part of a prompt that
+        its slot's cache holds (a shared system prompt, the earlier turns of a chat) is not run
+        again; when another slot holds a longer part (SHARE_FROM tokens more), its cache rows are
+        copied over, a prompt run earlier in this call included (clients of one app sending the
+        same prompt). A prompt with more than its last token left runs as a prefill; those with only
+        the last token left run together in one decode step, as a batch runs (so four cached
+        prompts cost about one step, not four prefills), and the same way when alone."""
         loaded = self._require()
+        slots = [slot for slot, _, _ in items]
+        if len(set(slots)) != len(slots):
+            raise AgentError(f"slots {slots} name a slot twice")
+        results: dict[int, int | Exception] = {}
+        last_only: list[tuple[int, _Slot]] = []
+        for slot, prompt, params in items:
+            try:
+                state, ids, start = self._prepare_prompt(loaded, slot, prompt, params)
+                sampler = Sampler(params, new_generator(params.seed, loaded.device), self._processor(params))
+                if start < len(ids) - 1:
+                    logits = self._run_prompt(loaded, slot, ids, start)
+                    state.held, state.last = ids, token_of(choose(logits, [sampler])[0])
+                    state.sampler = sampler
+                    results[slot] = state.last
+                else:
+                    state.held, state.last, state.sampler = ids[:-1], ids[-1], sampler
+                    last_only.append((slot, state))
+            except Exception as exc:  # this request alone
+                results[slot] = exc
+        if last_only:
+            results.update(self._advance(loaded, last_only))
+        return [results[slot] for slot in slots]
+
+    def _prepare_prompt(
+        self, loaded: LoadedModel, slot: int, prompt: Sequence[int], params: SamplingParams
+    ) -> tuple[_Slot, list[int], int]:
+        """Check `prompt` for `slot` and give the slot's cache the longest prefix of it that any
+        slot holds; (the slot's state, the prompt, how many leading tokens its cache holds now)."""
         state = self._slot(slot)
         token_budget(prompt, params, loaded.model.max_len)
-        prompt = list(prompt)
-        # At least the last prompt token runs: its logits give the first new token.
-        start = min(common_prefix(state.held, prompt), len(prompt) - 1)
-        logits = self._run_prompt(loaded, slot, prompt, start)
-        sampler = Sampler(params, new_generator(params.seed, loaded.device), self._processor(params))
-        token = token_of(choose(logits, [sampler])[0])
+        ids = list(prompt)
+        vocabulary = loaded.model.args.vocab_size
+        if bad := next((t for t in ids if not 0 <= t < vocabulary), None):
+            # Checked here: in a batched step one bad id would fail the other requests too.
+            raise AgentError(f"token id {bad} is not in the vocabulary of {vocabulary} tokens")
+        donor, start = prefix_donor(slot, ids, [s.held for s in self._state])
+        if donor is not None:
+            loaded.model.copy_prefix(donor, slot, start)
+        # What the slot held past `start` is overwritten from here on.
+        state.held = ids[:start]
         self._reused += start
-        state.held, state.last, state.sampler = prompt, token, sampler
-        return token
+        return state, ids, start
 
     def _run_prompt(self, loaded: LoadedModel, slot: int, prompt: list[int], start: int) -> torch.Tensor:
         """Write prompt[start:] into `slot`'s cache; the logits [1, V] of its last token."""
@@ -441,18 +488,25 @@ class TorchEngine(Engine):
                 )
         live = [(s, state) for s, state in zip(slots, states, strict=True) if s not in results]
         if live:
-            results.update(self._decode_step(loaded, live))
-        out = []
+            results.update(self._advance(loaded, live))
         for s, state in zip(slots, states, strict=True):
+            if isinstance(results[s], Exception):
+                state.last = state.sampler = None  # the sequence has ended
+        return [results[s] for s in slots]
+
+    def _advance(self, loaded: LoadedModel, live: list[tuple[int, _Slot]]) -> dict[int, int | Exception]:
+        """One decode step of the `live` slots: each one's `last` goes into its cache and its next
+        token becomes `last`; a slot whose step failed (its logit processing) stops running."""
+        results = self._decode_step(loaded, live)
+        for s, state in live:
             result = results[s]
             if isinstance(result, Exception):
-                state.last = state.sampler = None  # the sequence has ended
+                state.last = state.sampler = None
             else:
                 assert state.last is not None
                 state.held.append(state.last)
                 state.last = result
-            out.append(result)
-        return out
+        return results
 
     def _decode_step(self, loaded: LoadedModel, live: list[tuple[int, _Slot]]) -> dict[int, int | Exception]:
         """Run one decode step of the `live` (slot, state) pairs; each slot's token or error."""
