@@ -1,6 +1,6 @@
 """Faults on the wire, with raw sockets where a client library would hide the problem: keep-alive
 after refused requests, idle and slowloris connections, over-long bodies, clients that leave or stop
-reading mid-generation."""
+reading mid-generation, and 50 clients at once for a minute."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
+from http.client import HTTPConnection
+from pathlib import Path
 
 import openai
 import pytest
@@ -192,3 +195,73 @@ def test_a_client_that_stops_reading_does_not_stall_another(start_agent, chat_bo
     # may also finish unread; when buffers do fill, stall_timeout_s cuts it (counted as "stalled").
     stalled.close()
     wait_until(metric_is(agent, "sits_requests_running", 0), "the stalled stream's slot freed")
+
+
+LOAD_CLIENTS = 50
+LOAD_SECONDS = 60.0  # the issue's figure: long enough for a leak or a stuck slot to show
+JSON = {"Content-Type": "application/json"}
+
+
+def _rss_mb() -> float:
+    """This process's resident memory (the agent runs in it, beside the clients)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_50_clients_for_a_minute_get_answers_or_deliberate_429s(start_agent, http, chat_body, wait_until):
+    # 4 slots and 8 waiting places for 50 clients, each sending one request after another with
+    # http.client on a kept-alive connection, half of them streamed: most of the time more ask than
+    # fit, and the overflow must be a 429 or 503 with Retry-After, never a broken answer.
+    agent = start_agent(max_concurrent=4, queue_length=8)
+    streamed = chat_body(max_tokens=8, stream=True)
+    whole = chat_body(max_tokens=8)
+    outcomes: list[Counter[str]] = [Counter() for _ in range(LOAD_CLIENTS)]
+    failures: list[str] = []
+    rss_warm: list[float] = []
+    deadline = time.monotonic() + LOAD_SECONDS
+    warmed = threading.Barrier(LOAD_CLIENTS, action=lambda: rss_warm.append(_rss_mb()))
+
+    def client(i: int) -> None:
+        conn = HTTPConnection("127.0.0.1", agent.port, timeout=60)
+        try:
+            first = True
+            while time.monotonic() < deadline:
+                body = streamed if i % 2 else whole
+                conn.request("POST", "/v1/chat/completions", json.dumps(body), JSON)
+                response = conn.getresponse()
+                data = response.read()
+                if response.status == 200:
+                    ok = data.rstrip().endswith(b"data: [DONE]") if i % 2 else "choices" in json.loads(data)
+                    outcomes[i]["ok" if ok else "broken"] += 1
+                elif response.status in (429, 503) and response.getheader("Retry-After"):
+                    assert json.loads(data)["error"]["code"], data
+                    outcomes[i][str(response.status)] += 1
+                    time.sleep(0.05)  # a polite client backs off before it asks again
+                else:
+                    outcomes[i][f"HTTP {response.status}"] += 1
+                if first:  # every client has had one answer: the agent is warm
+                    first = False
+                    warmed.wait(timeout=LOAD_SECONDS)
+        except Exception as exc:  # reported below with the client's number
+            failures.append(f"client {i}: {type(exc).__name__}: {exc}")
+            warmed.abort()
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(LOAD_CLIENTS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    rss_end = _rss_mb()
+    assert failures == []
+    total = sum(outcomes, Counter())
+    assert set(total) <= {"ok", "429", "503"}, total
+    assert all(o["ok"] > 0 for o in outcomes), outcomes  # nobody starved for a minute
+    assert total["429"] + total["503"] > 0, total  # the overload was real
+    # Nothing held on: every slot free, the agent healthy, memory where it was once warm.
+    wait_until(lambda: agent.manager.counts().running == 0, "every slot returned")
+    assert http(agent.port, "GET", "/healthz")[0] == 200
+    assert rss_end - rss_warm[0] < 64, (rss_warm, rss_end, total)
