@@ -278,6 +278,32 @@ def _agent_findings(given: CheckInput) -> list[Finding]:
                 "set agent.device: auto (or cpu), or use agent.engine: torch for the GPU",
             )
         )
+    if agent.device == "cuda" and agent.engine != "llama.cpp":
+        findings += _hidden_gpu_findings(given)
+    return findings
+
+
+def _hidden_gpu_findings(given: CheckInput) -> list[Finding]:
+    """agent.device cuda on an ssh device whose profile names no accelerator: its agent unit gets
+    PrivateDevices=yes (deployer.push.units), which hides /dev/nvidia*, so every load would fail."""
+    findings = []
+    for index, device in enumerate(given.devices or []):
+        if device is None or device.transport != "ssh":
+            continue  # a local device runs its agent without our unit: it sees the GPU if there is one
+        profile = (given.profiles or {}).get(device.profile) if device.profile else None
+        if profile is not None and profile.accelerator is not None:
+            continue
+        where = (
+            f"its profile '{device.profile}' names no accelerator" if device.profile else "it has no profile"
+        )
+        findings.append(
+            given.positions.finding(
+                ("fleet", "devices", index, "profile" if device.profile else "name"),
+                f"agent.device is cuda, but device '{device.name}' would not see a GPU: {where}, so its "
+                "agent unit hides device nodes (PrivateDevices=yes) and the model load would fail",
+                "name the GPU in the profile (accelerator: ...), or set agent.device: auto",
+            )
+        )
     return findings
 
 

@@ -458,7 +458,14 @@ class Profile(_Model):
     memory: Memory
     cpu: Cpu | None = None
     disk: Memory | None = None
-    accelerator: str | None = None
+    accelerator: Annotated[
+        str | None,
+        Field(
+            description="The device's GPU or NPU, by any name (nvidia-orin, ...). Named, the agent's "
+            "unit keeps device nodes visible (no PrivateDevices=) so the agent can use it; unnamed, "
+            "they are hidden and agent.device cuda is refused by validate."
+        ),
+    ] = None
     torch: Annotated[
         Literal["wheelhouse", "system"],
         Field(
@@ -563,7 +570,9 @@ class AgentSettings(_Model):
         Field(
             description="Where the model runs. auto: the GPU when torch on the device sees a CUDA "
             "device, else the CPU (`/v1/models` and the agent's journal say which and why). cuda: "
-            "the GPU, or the load fails. The llama.cpp engine runs on the CPU (auto); it refuses cuda."
+            "the GPU, or the load fails; an ssh device's profile must then name its `accelerator`, "
+            "whose device nodes its agent unit otherwise hides (validate checks). The llama.cpp "
+            "engine runs on the CPU (auto); it refuses cuda."
         ),
     ] = "auto"
     compile: Annotated[

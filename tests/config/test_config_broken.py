@@ -104,6 +104,14 @@ CASES = [
         (22, 11, "agent.device", "agent.engine llama.cpp runs on the CPU: device cuda would fail"),
     ),
     (
+        "cuda-without-accelerator",
+        {
+            "replace": (("      transport: local\n      root: ./fleet/d2", "      host: 10.0.0.2"),),
+            "append": "agent:\n  device: cuda\n",
+        },
+        (15, 16, "fleet.devices[1].profile", "agent.device is cuda, but device 'd2' would not see a GPU"),
+    ),
+    (
         "duplicate-device",
         {"replace": (("name: d2", "name: d1"),)},
         (13, 13, "fleet.devices[1].name", "duplicate device name 'd1'"),
@@ -260,6 +268,23 @@ def test_agent_device_and_compile_defaults_and_bare_on(write_config):
     config = load_config(write_config(append="agent:\n  device: cpu\n  compile: on\n"), environ={})
     assert (config.agent.device, config.agent.compile) == ("cpu", "on")
     assert load_config(write_config(append="agent: {compile: off}\n"), environ={}).agent.compile == "off"
+
+
+def test_cuda_is_checked_against_each_ssh_devices_profile(write_config):
+    ssh_d2 = ("      transport: local\n      root: ./fleet/d2\n      profile: small", "      host: 10.0.0.2")
+    cuda = "agent:\n  device: cuda\n"
+    without_profile = validate_file(write_config(replace=(ssh_d2,), append=cuda), environ={})
+    assert [(f.path, "it has no profile" in f.message) for f in without_profile if "cuda" in f.message] == [
+        ("fleet.devices[1].name", True)
+    ]
+    # A profile that names its GPU keeps the device nodes visible; local devices run no unit.
+    gpu = "  orin: {memory: 8Gi, accelerator: nvidia-orin}\n"
+    with_gpu = (*ssh_d2[:1], "      host: 10.0.0.2\n      profile: orin")
+    assert [
+        f
+        for f in validate_file(write_config(replace=(with_gpu,), append=gpu + cuda), environ={})
+        if "cuda" in f.message
+    ] == []
 
 
 def test_every_problem_is_reported_in_one_run(write_config):
