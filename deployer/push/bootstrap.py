@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import posixpath
 import shlex
 import subprocess
@@ -85,9 +86,11 @@ LOG_FILE = "/var/log/sits-agent.log"
 PID_FILE = "/run/sits-agent.pid"
 SERVICE_USER = "sits"  # User= of the units (deployer.push.units.UnitParams.user)
 STORE_DIR = "/var/lib/sits"
+KERNEL_DIR = "/var/lib/sits/cache/kernels"  # the agent's kernel cache (agent/compile_cache.py)
 ADMIN_SOCKET = "/run/sits/admin.sock"  # the agent's default, under its root (deployer.agent.settings)
 UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path is 108 with its NUL)
 _START_POLL_S = 0.5
+_log = logging.getLogger("sits.deployer")
 _JOB_POLL_S = 2.0
 
 
@@ -237,11 +240,34 @@ def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
         f"{site.name}: pip install of {wheel.name}",
         timeout_s=900,
     )
+    if site.engine == "torch" and not site.system_torch and PipTarget.of(device).runs_controller_builds():
+        _send_cpu_kernels(site, transport)
     record = {"python": site.python, "wheels": {w.path.name: w.sha256 for w in house.wheels}}
     write_files(
         site, transport, {WHEELS_RECORD: (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()}
     )
     transport.run(["rm", "-rf", wheels_dir], timeout=60)  # installed: the wheels would only take space
+
+
+def _send_cpu_kernels(site: DeviceSite, transport: Transport) -> None:
+    """Our CPU kernels (agent/engines/native.py), built here, into the agent's kernel cache on a
+    device that runs this controller's builds. Devices seldom have a C++ compiler, and without the
+    library an AVX2-only CPU runs int4 and int8 layers on torch's kernels at a third of the speed.
+    The library's name carries its source and torch version, so a device whose torch differs
+    ignores it. Best effort: without a compiler here the device builds its own or keeps torch's."""
+    # A program of the agent's, as the local transport runs agents: the controller imports none.
+    done = subprocess.run(
+        [sys.executable, "-m", "deployer.agent.engines.native", "--library"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    library = Path(done.stdout.strip())
+    if done.returncode != 0 or not library.is_file():
+        _log.info("%s: no CPU kernels to send (%s)", site.name, done.stderr.strip()[-200:])
+        return
+    transport.put(library, site.file(f"{KERNEL_DIR}/{library.name}"))
 
 
 def _run_detached(

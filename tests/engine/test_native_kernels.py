@@ -4,7 +4,12 @@ what happens where they cannot be built."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +163,28 @@ def test_without_a_compiler_layers_keep_torchs_kernels_and_say_why(monkeypatch, 
     monkeypatch.setattr(native, "cpu_kernels", lambda: (None, why))
     weights, layout, _ = _int4(64, 64, 32)
     assert build_linear("x", weights, layout, CPU, torch.float32)[1] == KERNEL_INT4_CPU
+
+
+def _native_main(cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m deployer.agent.engines.native` with `cache` as its kernel cache and no C++
+    compiler to be found (a PATH without one, no CXX): what a device usually is."""
+    env = {k: v for k, v in os.environ.items() if k != "CXX"} | {
+        "SITS_KERNEL_CACHE_DIR": str(cache),
+        "PATH": str(cache / "no-bin"),
+    }
+    argv = [sys.executable, "-m", "deployer.agent.engines.native", *args]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
+
+
+def test_a_library_built_elsewhere_loads_where_there_is_no_compiler(kernels, tmp_path):
+    # Its name is the key: a controller's build serves a device without a compiler (push/bootstrap.py).
+    empty = _native_main(tmp_path / "empty")
+    assert "not built: no C++ compiler" in empty.stdout, empty.stdout + empty.stderr
+    assert _native_main(tmp_path / "empty", "--library").returncode == 1
+    given = tmp_path / "given"
+    given.mkdir()
+    library = native.library_path()  # the one this process loaded, from the machine's cache
+    shutil.copy(library, given / library.name)
+    loaded = _native_main(given)
+    assert f"built in {given}" in loaded.stdout, loaded.stdout + loaded.stderr
+    assert _native_main(given, "--library").stdout.strip() == str(given / library.name)

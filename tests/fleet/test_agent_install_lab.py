@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from deployer.errors import AgentError
-from deployer.push.bootstrap import build_wheel, install_agent
+from deployer.push.bootstrap import KERNEL_DIR, build_wheel, install_agent
 from deployer.push.facts import VENV_PYTHON, DeviceSite, gather_platform
 from tests.fleet.agent_packages import forbidden, packages_of
 from tests.lab.lab import Lab
@@ -91,6 +91,21 @@ def test_a_device_without_an_index_gets_only_the_agent(hub: Lab, ssh_to, wheel, 
         [site.python, "-c", f"import {engine_module}, deployer.agent.http.server"], timeout=120
     ).check(f"import {engine_module}")
     assert "serve" in _run(transport)([site.python, "-m", "deployer.agent.cli", "--help"])
+    if engine == "torch":
+        # The lab's devices have no C++ compiler, like most devices: our CPU kernels arrive built
+        # by the controller, into the cache the agent's unit points them at, and load there.
+        assert transport.run("command -v c++ g++ gcc").rc != 0
+        loaded = transport.run(
+            [
+                "env",
+                f"SITS_KERNEL_CACHE_DIR={KERNEL_DIR}",
+                site.python,
+                "-m",
+                "deployer.agent.engines.native",
+            ],
+            timeout=300,
+        )
+        assert f"built in {KERNEL_DIR}" in loaded.check("native kernels").stdout, loaded.stdout
     size = transport.run(["du", "-sh", "/opt/sits/venv"]).stdout.split()[0]
     print(f"[bootstrap] {site.name}: du -sh /opt/sits/venv = {size}")
     # Again: every wheel is recorded by its hash, so only our own wheel travels.

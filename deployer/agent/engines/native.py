@@ -14,10 +14,12 @@ They are C++ against torch's own headers and runtime (`sits::int4_linear`, `sits
 `sits::fp32_linear`: ops the dispatcher, eager code and inductor's compiled graphs call alike), so
 they must be compiled against the torch that loads them. The first use on a machine compiles them with the
 system C++ compiler (about 35 s on two cores) into `core.kernel_cache.kernel_cache_dir()` (an
-agent's store, or the machine's cache for a local fleet), keyed by the source,
-torch's version and the compiler; later loads take the cached library. On a CPU with AVX-512
-(where torch's kernels are fast), without a compiler, or when the build fails, `cpu_kernels` says
-why and the layers keep torch's kernels.
+agent's store, or the machine's cache for a local fleet), keyed by the source, torch's version and
+the build flags; later loads take the cached library, with or without a compiler. A device without
+one (the usual case) gets the library from the controller when it can run the controller's builds
+(push/bootstrap.py, through `python -m deployer.agent.engines.native --library`). On a CPU with
+AVX-512 (where torch's kernels are fast), without the library and a compiler, or when the build
+fails, `cpu_kernels` says why and the layers keep torch's kernels.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -38,7 +41,16 @@ import torch
 
 from deployer.core.kernel_cache import kernel_cache_dir
 
-__all__ = ["BLOCK", "ROWS", "CpuKernels", "built_kernels", "cpu_kernels", "pack_int4", "pack_int8"]
+__all__ = [
+    "BLOCK",
+    "ROWS",
+    "CpuKernels",
+    "built_kernels",
+    "cpu_kernels",
+    "library_path",
+    "pack_int4",
+    "pack_int8",
+]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ROWS = 4  # output rows packed together (ROWS in the source)
@@ -114,15 +126,14 @@ def _load() -> tuple[CpuKernels | None, str]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):  # torch says AVX2 only where FMA is there too
         return None, f"this CPU ({capability}) has no AVX2 and FMA for our kernels"
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        return None, "no C++ compiler to build our AVX2 kernels (install g++)"
     try:
-        library = _built(compiler)
+        library = _built()
         torch.ops.load_library(str(library))
         torch.library.register_fake("sits::int4_linear")(_int4_shape)
         torch.library.register_fake("sits::int8_linear")(_int8_shape)
         torch.library.register_fake("sits::fp32_linear")(_fp32_shape)
+    except _NoCompiler:
+        return None, "no C++ compiler to build our AVX2 kernels, and none built for this torch (install g++)"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"our AVX2 kernels did not build or load: {str(exc).strip()[-300:]}"
     ops = torch.ops.sits
@@ -144,19 +155,33 @@ def _fp32_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-def _built(compiler: str) -> Path:
-    """The compiled library, from the cache or built into it now."""
+class _NoCompiler(Exception):
+    """The library is not cached and there is no C++ compiler to build it."""
+
+
+def _abi() -> str:
+    return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+
+
+def library_path() -> Path:
+    """Where this source built for this torch lies in the kernel cache. The name carries a hash of
+    both and of the flags, not of the compiler: any compiler's build serves, so one built on a
+    controller serves a device that has none (same CPU architecture, Python and libc)."""
+    key = hashlib.sha256("\0".join((SOURCE.read_text(), torch.__version__, _abi(), *FLAGS)).encode())
+    return kernel_cache_dir() / f"sits_cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def _built() -> Path:
+    """The compiled library, from the cache or built into it now. Raises _NoCompiler."""
     from torch.utils import cpp_extension
 
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    key = hashlib.sha256(
-        "\0".join((SOURCE.read_text(), torch.__version__, version, abi, *FLAGS)).encode()
-    ).hexdigest()[:16]
-    cache = kernel_cache_dir()
-    library = cache / f"sits_cpu_kernels-{key}.so"
+    library = library_path()
     if library.exists():
         return library
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise _NoCompiler()
+    cache = library.parent
     cache.mkdir(parents=True, exist_ok=True)
     # One build per machine: the agents of a local fleet start together and would each compile.
     with (cache / ".build.lock").open("w") as lock:
@@ -167,7 +192,7 @@ def _built(compiler: str) -> Path:
         libraries = [f"-L{path}" for path in cpp_extension.library_paths()]
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             built = Path(scratch) / library.name
-            command = [compiler, *FLAGS, abi, *includes, str(SOURCE), "-o", str(built), *libraries]
+            command = [compiler, *FLAGS, _abi(), *includes, str(SOURCE), "-o", str(built), *libraries]
             command += ["-lc10", "-ltorch_cpu", "-ltorch"]
             done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if done.returncode != 0:
@@ -176,7 +201,24 @@ def _built(compiler: str) -> Path:
     return library
 
 
-if __name__ == "__main__":  # scripts/setup.sh: build them once, before agents or tests need them
+def _main(argv: list[str]) -> int:
+    """scripts/setup.sh: build the kernels once, before agents or tests need them. `--library`
+    (the controller, for its devices): build them whatever this CPU is, print the library's path."""
+    if argv == ["--library"]:
+        try:
+            print(_built())
+        except (_NoCompiler, OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            print(
+                f"our CPU kernels did not build: {type(exc).__name__} {str(exc).strip()[-300:]}",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
     found, why = built_kernels()
     print("our AVX2 CPU kernels:", f"built in {kernel_cache_dir()}" if found else f"not built: {why}")
     print("layers on this CPU use:", "ours" if cpu_kernels()[0] else f"torch's ({cpu_kernels()[1]})")
+    return 0  # not built is no failure: the layers keep torch's kernels
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
