@@ -86,12 +86,12 @@ LOG_FILE = "/var/log/sits-agent.log"
 PID_FILE = "/run/sits-agent.pid"
 SERVICE_USER = "sits"  # User= of the units (deployer.push.units.UnitParams.user)
 STORE_DIR = "/var/lib/sits"
-KERNEL_DIR = "/var/lib/sits/cache/kernels"  # the agent's kernel cache (agent/compile_cache.py)
+KERNEL_DIR = f"{STORE_DIR}/cache/kernels"  # the agent's kernel cache (agent/compile_cache.py)
 ADMIN_SOCKET = "/run/sits/admin.sock"  # the agent's default, under its root (deployer.agent.settings)
 UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path is 108 with its NUL)
 _START_POLL_S = 0.5
-_log = logging.getLogger("sits.deployer")
 _JOB_POLL_S = 2.0
+_log = logging.getLogger("sits.deployer")
 
 
 def agent_settings(config: Config, site: DeviceSite) -> str:
@@ -255,6 +255,16 @@ def _send_cpu_kernels(site: DeviceSite, transport: Transport) -> None:
     library an AVX2-only CPU runs int4 and int8 layers on torch's kernels at a third of the speed.
     The library's name carries its source and torch version, so a device whose torch differs
     ignores it. Best effort: without a compiler here the device builds its own or keeps torch's."""
+    library, why = _controller_kernels()
+    if library is None:
+        _log.info("%s: no CPU kernels to send (%s)", site.name, why)
+        return
+    transport.put(library, site.file(f"{KERNEL_DIR}/{library.name}"))
+
+
+@functools.cache
+def _controller_kernels() -> tuple[Path | None, str]:
+    """(the library built here, "") or (None, why not); once per run, not once per device."""
     # A program of the agent's, as the local transport runs agents: the controller imports none.
     done = subprocess.run(
         [sys.executable, "-m", "deployer.agent.engines.native", "--library"],
@@ -265,9 +275,8 @@ def _send_cpu_kernels(site: DeviceSite, transport: Transport) -> None:
     )
     library = Path(done.stdout.strip())
     if done.returncode != 0 or not library.is_file():
-        _log.info("%s: no CPU kernels to send (%s)", site.name, done.stderr.strip()[-200:])
-        return
-    transport.put(library, site.file(f"{KERNEL_DIR}/{library.name}"))
+        return None, done.stderr.strip()[-200:]
+    return library, ""
 
 
 def _run_detached(
