@@ -36,7 +36,7 @@ NEW_TOKENS = 128
 PROMPT_TOKENS = 32
 BATCH = 16
 MAX_LEN = 256
-BANDWIDTH = 4.28e12  # bytes/s, device-to-device copy measured on the H200 (FACTS.md)
+COPY_BYTES = 1 << 30  # the bandwidth probe: a device-to-device copy of this many bytes
 
 SHAPES = {
     "SmolLM2-135M": {
@@ -160,6 +160,16 @@ def _worst_gap(eager: TorchEngine, prompt: list[int], tokens: list[int]) -> floa
     logits = eager.logits(prompt + tokens)[len(prompt) - 1 : -1]
     chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]
     return float((logits.max(dim=-1).values - chosen).max())
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy of COPY_BYTES (read and written), best of 5: the
+    memory-bound limit's yardstick, measured on the card in use (4.28e12 on the H200)."""
+    x = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    best = min(_timed(y.copy_, x) for _ in range(6))
+    del x, y
+    return 2 * COPY_BYTES / best
 
 
 def _timed(fn: Callable[..., object], *args: object) -> float:
@@ -291,7 +301,7 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
         "ref_first_ms": ref1.first_token_ms,
         "ref_tps1": ref1.decode_tps,
         "ref_tps16": ref16.decode_tps,
-        "limit_tps": BANDWIDTH / step_bytes,
+        "limit_tps": (copy_bandwidth() if device == "cuda" else float("nan")) / step_bytes,
         "peak_mb": peak / 2**20,
         "load_peak_mb": load_peak / 2**20,
         "warm_load_peak_mb": warm_peak / 2**20,
@@ -310,12 +320,12 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
     }
 
 
-def gpu_table(rows: list[dict], errors: list[tuple[str, str]]) -> object:
-    """The rich table of the GPU rows."""
+def gpu_table(rows: list[dict], errors: list[tuple[str, str]], device: str) -> object:
+    """The rich table of the GPU rows, measured on `device` (its name)."""
     from rich.table import Table
 
     table = Table(
-        title=f"H200, random weights, greedy, {PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, "
+        title=f"{device}, random weights, greedy, {PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, "
         f"cache {MAX_LEN}; ref = gpt-fast-style loop (bench/gptfast_ref.py), same kernels, same run"
     )
     columns = (
