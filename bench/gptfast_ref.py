@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deployer.agent.engines.llama import DecoderLayer, rope_tables
+from deployer.agent.engines.llama import MLP, DecoderLayer, RMSNorm, rope_tables
 from deployer.agent.engines.loader import LoadedModel
 
 
@@ -51,7 +51,7 @@ class RefBlock(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, D] at positions input_pos [T] (the same for every sequence)."""
         b, t, _ = x.shape
-        h = self.ln1(x)
+        h = _norm(self.ln1, x)
         q, k, v = (
             part.transpose(1, 2)
             for part in self.attn._heads(h).split((self.n_heads, self.n_kv, self.n_kv), dim=2)
@@ -65,7 +65,20 @@ class RefBlock(nn.Module):
         values = self.v_cache.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         x = x + self.attn.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-        return x + self.mlp(self.ln2(x))
+        return x + _mlp(self.mlp, _norm(self.ln2, x))
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    # torch's own op, which inductor fuses, whatever the engine set on the module (use_exact_ops)
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+
+def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    if mlp.gate_up_proj is not None:
+        gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+    else:
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    return mlp.down_proj(F.silu(gate) * up)
 
 
 class Reference(nn.Module):
@@ -89,7 +102,7 @@ class Reference(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, cos, sin, mask, input_pos)
-        return self.lm_head(self.norm(x[:, -1]))
+        return self.lm_head(_norm(self.norm, x[:, -1]))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deployer.agent.engines import exact_ops
 from deployer.errors import AgentError, FormatError
 
 # architecture name in config.json -> model_type it must carry
@@ -126,15 +127,21 @@ def as_token_ids(value: object) -> tuple[int, ...]:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (torch's fused kernel: one op instead of six per call)."""
+    """Root-mean-square norm (torch's fused kernel: one op instead of six per call).
+
+    `exact`: through exact_ops, which torch.compile calls as it is (see Transformer.use_exact_ops).
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.exact = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the last dimension and scale."""
+        if self.exact:
+            return exact_ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -179,6 +186,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.qkv_proj: nn.Module | None = None
         self.kv_cache: KVCache | None = None
+        self.exact = False  # softmax through exact_ops (see Transformer.use_exact_ops)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """q, k and v heads side by side: [B, T, H + 2 KV, hd], not yet rotated."""
@@ -275,7 +283,8 @@ class Attention(nn.Module):
             qg = q.reshape(b, self.n_kv, group, self.head_dim)
             scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.head_dim**-0.5
             scores = scores.float().masked_fill(mask, float("-inf"))
-            y = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
+            weights = exact_ops.softmax(scores) if self.exact else scores.softmax(dim=-1)
+            y = torch.matmul(weights.to(values.dtype), values)
         return self.o_proj(y.reshape(b, 1, self.n_heads * self.head_dim).to(x.dtype))
 
 
@@ -288,6 +297,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
         self.gate_up_proj: nn.Module | None = None
+        self.exact = False  # silu through exact_ops (see Transformer.use_exact_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the gated MLP."""
@@ -295,7 +305,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((exact_ops.silu(gate) if self.exact else F.silu(gate)) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -394,6 +404,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope_signed_sin", sin.to(kv_dtype), persistent=False)
         self.register_buffer("key_positions", torch.arange(max_len + 1, device=device), persistent=False)
         self.register_buffer("rows", torch.arange(slots, device=device), persistent=False)
+
+    def use_exact_ops(self, on: bool) -> None:
+        """Run RMSNorm, SiLU and the decode step's softmax through exact_ops (on) or torch's
+        functions (off). Eager results are the same either way; compiled with
+        exact_ops.EMULATE_CASTS, the decode step then computes bit for bit what the eager one
+        does, at the cost of the fusions inductor no longer makes."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.exact = on
 
     @property
     def kv_dtype(self) -> torch.dtype:

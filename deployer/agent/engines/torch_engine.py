@@ -27,6 +27,7 @@ from llguidance import LLTokenizer
 from torch import nn
 
 from deployer.agent.chat import ChatTemplate, TextCodec, infill_prompt, read_tokenizer_config
+from deployer.agent.engines import exact_ops
 from deployer.agent.engines.base import (
     ChatMessage,
     Embedding,
@@ -251,7 +252,7 @@ class TorchEngine(Engine):
             )
         self._loaded = loaded
         self._state = [_Slot() for _ in range(self._slots)]
-        chunk = max([b for b in PREFILL_BUCKETS if b <= loaded.model.max_len], default=1)
+        chunk = _chunk_lengths(loaded.model.max_len)[-1]
         self._io = _Inputs.allocate(self._slots, chunk, loaded.device)
         with _small_tuning_flush(loaded.device):
             self._decode = _prepare(
@@ -443,11 +444,15 @@ class TorchEngine(Engine):
         return state, ids, start
 
     def _run_prompt(self, loaded: LoadedModel, slot: int, prompt: list[int], start: int) -> torch.Tensor:
-        """Write prompt[start:] into `slot`'s cache; the logits [1, V] of its last token."""
-        graphs = self._decode.prefills
-        if not graphs:
+        """Write prompt[start:] into `slot`'s cache; the logits [1, V] of its last token.
+
+        On CUDA in chunks of the captured lengths, replayed, or run eager with the very same
+        shapes when there are no graphs (the same kernels, so the same tokens); on a CPU in one go.
+        """
+        if loaded.device.type != "cuda":
             ids = torch.tensor([prompt[start:]], dtype=torch.long, device=loaded.device)
             return loaded.model.prefill(ids, slot, start)[0]
+        graphs = self._decode.prefills
         io, pinned = self._inputs().prefill, self._inputs().prefill_host
         host, largest = pinned.numpy(), io.shape[1]
         while True:
@@ -458,8 +463,12 @@ class TorchEngine(Engine):
             host[1, :n] = np.arange(start, start + n)
             host[2, :2] = slot, n - 1
             io.copy_(pinned, non_blocking=True)
-            graph, logits = graphs[next(b for b in sorted(graphs) if b >= n)]
-            graph.replay()
+            length = next(b for b in _chunk_lengths(largest) if b >= n)
+            if graphs:
+                graph, logits = graphs[length]
+                graph.replay()
+            else:
+                logits = _prefill_chunk(loaded, io, length)
             start += n
             if start == len(prompt):
                 return logits
@@ -513,7 +522,9 @@ class TorchEngine(Engine):
         slots = [s for s, _ in live]
         states = [state for _, state in live]
         rows = max(slots) + 1
-        bucket = next((b for b in self._buckets if b >= rows), rows) if self._decode.graphs else rows
+        # On CUDA eager steps take the captured shapes too (the same kernels: the same tokens).
+        cuda = loaded.device.type == "cuda"
+        bucket = next((b for b in self._buckets if b >= rows), rows) if cuda else rows
         # Written through numpy (a torch element write costs microseconds of dispatch) into pinned
         # memory, then one copy: the previous step's copy is done, its tokens were read back.
         inputs = self._inputs()
@@ -529,11 +540,12 @@ class TorchEngine(Engine):
             graph[0].replay()
             logits = graph[1]
         else:
-            # Eager layers attend only the positions in use; compiled layers keep the fixed
-            # shapes, or every new length would compile again (the compiled step's is symbolic).
+            # Eager CPU layers attend only the positions in use; CUDA and compiled layers keep the
+            # fixed shapes (the graphs' kernels; else every new length would compile again). The
+            # CPU's compiled step has symbolic lengths.
             in_use = max(len(state.held) for state in states) + 1
             step = self._decode.step or loaded.model.decode
-            logits = step(io[0, :bucket], io[1, :bucket], None if self._decode.compiled else in_use)
+            logits = step(io[0, :bucket], io[1, :bucket], None if self._decode.compiled or cuda else in_use)
         tokens = choose(logits[:rows], _samplers_for(states, slots))
         return {s: tokens[s] for s in slots}
 
@@ -684,6 +696,7 @@ def _prepare(
     kept for describe()."""
     decode = _Decode()
     layers = loaded.model.model.layers
+    loaded.model.use_exact_ops(loaded.device.type == "cuda")
     if want_compile and loaded.device.type == "cpu":
         decode.step, decode.compile_note = _compile_step(loaded, io)
     elif want_compile:
@@ -710,9 +723,8 @@ def _prepare(
         if error:
             _uncompile(layers)
             decode.compiled, decode.compile_note = False, f"off (failed after capture: {error})"
-    lengths = [b for b in PREFILL_BUCKETS if b <= prefill_io.shape[1]]
     try:
-        for length in sorted(lengths, reverse=True):
+        for length in sorted(_chunk_lengths(prefill_io.shape[1]), reverse=True):
             decode.prefills[length] = _capture_prefill(loaded, prefill_io, length, pool, stream)
         if decode.prefills:
             decode.prefill_note = f"cuda-graph chunks {','.join(map(str, sorted(decode.prefills)))}"
@@ -760,7 +772,7 @@ def _compile_layers(loaded: LoadedModel, io: torch.Tensor) -> tuple[bool, str]:
     """Compile each decoder layer's decode step (one compiled code, shared by every layer)."""
     layers = loaded.model.model.layers
     for layer in layers:
-        layer.compile(fullgraph=True, dynamic=False)
+        layer.compile(fullgraph=True, dynamic=False, options=exact_ops.EMULATE_CASTS)
     error = _try_decode(loaded, io)
     if error is None:
         return True, "on (decode layer, inductor)"
@@ -828,8 +840,20 @@ def _capture_prefill(
     io[0] = 0
     io[1] = loaded.model.scratch_position  # warm-up and capture write only there
     io[2] = 0
+    return _capture(lambda: _prefill_chunk(loaded, io, length), pool, stream)
+
+
+def _prefill_chunk(loaded: LoadedModel, io: torch.Tensor, length: int) -> torch.Tensor:
+    """One prefill chunk of `length` tokens as `io` [3, chunk] holds it (see _run_prompt): the
+    logits [1, V] of its last token."""
     tokens, positions, slot, last = io[0:1, :length], io[1, :length], io[2, :1], io[2, 1:2]
-    return _capture(lambda: loaded.model.prefill_fixed(tokens, slot, positions, last), pool, stream)
+    return loaded.model.prefill_fixed(tokens, slot, positions, last)
+
+
+def _chunk_lengths(width: int) -> list[int]:
+    """The prefill chunk lengths (PREFILL_BUCKETS) that fit a chunk buffer of `width` tokens, the
+    shortest first; `width` itself when none does."""
+    return [b for b in PREFILL_BUCKETS if b <= width] or [width]
 
 
 @torch.inference_mode()
