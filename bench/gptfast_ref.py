@@ -74,6 +74,7 @@ def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    # the module's projections, torch's silu (as _norm: not what the engine set on the module)
     if mlp.gate_up_proj is not None:
         gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
     else:

@@ -212,9 +212,9 @@ def test_the_compiled_cpu_step_gives_the_eager_tokens_alone_and_batched(varied_m
 
 
 def test_compiled_decode_layers_give_the_eager_logits_bit_for_bit_in_bf16(varied_model_dir, engine_on):
-    # What the engine does on CUDA: exact ops on, each decode layer compiled with
-    # exact_ops.EMULATE_CASTS (_compile_layers), run here by inductor's CPU backend. With
-    # neither, the compiled layers' logits differed from eager by up to 0.0078 (torch 2.13).
+    # The engine's CUDA compile (_compile_layers: exact ops on, each decode layer compiled with
+    # exact_ops.EMULATE_CASTS), run here by inductor's CPU backend. With neither, the compiled
+    # layers' logits differed from eager by up to 0.0078 (torch 2.13).
     from deployer.agent.engines.torch_engine import _compile_layers
 
     engine = engine_on(varied_model_dir, dtype="bf16", compile="off")
@@ -232,7 +232,6 @@ def test_compiled_decode_layers_give_the_eager_logits_bit_for_bit_in_bf16(varied
         return torch.stack(rows)
 
     eager = decode_each()
-    model.use_exact_ops(True)
     compiled, note = _compile_layers(loaded, engine._inputs().step)
     assert compiled, note
     assert torch.equal(decode_each(), eager)

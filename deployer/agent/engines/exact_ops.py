@@ -17,9 +17,9 @@ gpt-fast-style reference in bench/. A user gets the same tokens whether the grap
 the compile failed, or the engine runs eager, and so the compiled path can be checked against
 the eager one token for token.
 
-The engine turns them on for CUDA (`Transformer.use_exact_ops`). On a CPU the model computes in
-fp32, where reordered sums do not flip real models' tokens, and the compiled CPU step keeps its
-fusions.
+The engine turns them on where it compiles the decode layer, on CUDA
+(`Transformer.use_exact_ops`). On a CPU the model computes in fp32, where reordered sums do not
+flip real models' tokens, and the compiled CPU step keeps its fusions.
 """
 
 from __future__ import annotations

@@ -696,7 +696,6 @@ def _prepare(
     kept for describe()."""
     decode = _Decode()
     layers = loaded.model.model.layers
-    loaded.model.use_exact_ops(loaded.device.type == "cuda")
     if want_compile and loaded.device.type == "cpu":
         decode.step, decode.compile_note = _compile_step(loaded, io)
     elif want_compile:
@@ -769,8 +768,10 @@ def _settle() -> None:
 
 
 def _compile_layers(loaded: LoadedModel, io: torch.Tensor) -> tuple[bool, str]:
-    """Compile each decoder layer's decode step (one compiled code, shared by every layer)."""
+    """Compile each decoder layer's decode step (one compiled code, shared by every layer), with
+    exact ops and inductor rounding as eager does (exact_ops), so it gives the eager tokens."""
     layers = loaded.model.model.layers
+    loaded.model.use_exact_ops(True)  # eager steps compute the same either way
     for layer in layers:
         layer.compile(fullgraph=True, dynamic=False, options=exact_ops.EMULATE_CASTS)
     error = _try_decode(loaded, io)
