@@ -4,9 +4,10 @@ Each line of the block runs in one bash session (so `source`, `export` and `cd` 
 the virtual environment in use linked as `.venv` (the README's `source .venv/bin/activate`: the very
 trap of a controller venv on PATH) and PYTHONPATH naming this checkout. A line's exit status must
 be 0, or the N of its `# exits N` comment. Before the last line (`down`) the session waits while
-the test asks every device a question through the official `openai` client and runs docs/ci.md's
-drift check (0 when the fleet matches deploy.yaml, 1 with a device offline under
-`strategy.offline: fail`); then `down` runs and no agent answers any more.
+the test asks every device a question through the official `openai` client, then four at once
+(init's project must serve them together, not queue half of them), and runs docs/ci.md's drift
+check (0 when the fleet matches deploy.yaml, 1 with a device offline under `strategy.offline: fail`);
+then `down` runs and no agent answers any more.
 
 The default tier substitutes the seeded tiny checkpoint for SmolLM2 through `SITS_CACHE_DIR`
 (`builtin:smollm2-135m-instruct` is read from `$SITS_CACHE_DIR/models/...`), so no line changes;
@@ -22,6 +23,9 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -93,6 +97,45 @@ def ask_every_device(project: Path) -> dict[str, str]:
     return answers
 
 
+def ask_four_at_once(project: Path, port: int) -> None:
+    """Four official clients stream at once: each sees its first token before any stream ends.
+
+    With fewer slots than clients, the queued streams' first tokens would come only after an
+    earlier stream finished. End-of-sequence is banned so that no stream ends at its first token.
+    """
+    config = next((project / ".sits/store/artifacts").glob("*/config.json"))
+    eos = json.loads(config.read_text())["eos_token_id"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=300)
+    model = client.models.list().data[0].id
+    start = threading.Barrier(4)
+    firsts: list[float] = []
+    ends: list[float] = []
+
+    def stream(i: int) -> None:
+        start.wait()
+        chunks = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Count to {i + 5}."}],
+            max_tokens=24,
+            logit_bias={str(eos): -100},
+            stream=True,
+        )
+        tokens = 0
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content:
+                tokens += 1
+                if tokens == 1:
+                    firsts.append(time.monotonic())
+        ends.append(time.monotonic())
+        assert tokens > 1
+
+    with ThreadPoolExecutor(4) as pool:
+        for done in [pool.submit(stream, i) for i in range(4)]:
+            done.result(timeout=600)
+    assert len(firsts) == len(ends) == 4
+    assert max(firsts) < min(ends), "a stream started only after another had finished: it was queued"
+
+
 def run_drift(project: Path, env: dict[str, str]) -> int:
     return subprocess.run(
         ["bash", "-c", f"source .venv/bin/activate && cd my-fleet && {drift_command()}"],
@@ -137,6 +180,8 @@ def run_quickstart(tmp_path: Path, cache: Path | None) -> None:
         assert not failed, f"{failed}\n{output.read_text()[-6000:]}"
         answers = ask_every_device(project)
         assert set(answers) == {"dev1", "dev2"}
+        inventory = yaml.safe_load((project / "inventory.yaml").read_text())
+        ask_four_at_once(project, inventory["devices"][0]["agent_port"])
         audit = [json.loads(line) for line in (project / ".sits/audit.jsonl").read_text().splitlines()]
         rollback = next(r for r in reversed(audit) if r["action"] == "rollback")
         manifest = max(p.stat().st_size for p in (project / ".sits/releases").glob("[0-9]*.json"))
