@@ -188,6 +188,11 @@ def _steps(engine: TorchEngine, slots: list[int], n: int) -> None:
 def _greedy_run(
     engine: object, slots: list[int], prompts: list[list[int]], params: object
 ) -> list[list[int]]:
+    """Greedy tokens of each prompt, each prefilled whole. A slot that still held its prompt would
+    reuse all but the last token and run that one through a decode step, whose bf16 sums differ
+    from the prefill's: the first token could then differ from a fresh engine's."""
+    for s in slots:
+        engine.prefill(s, [1], params)  # shares no prefix with any prompt (their ids are >= 3)
     out = [[engine.prefill(s, p, params)] for s, p in zip(slots, prompts, strict=True)]
     for _ in range(NEW_TOKENS - 1):
         for seq, token in zip(out, engine.step(slots), strict=True):
