@@ -297,6 +297,7 @@ def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> d
         "kernel": info.kernel,
         "decode": info.extra["decode"],
         "compile": info.extra["compile"],
+        "fused_ops": info.extra["fused_ops"],
         "load_s": load_s,
         "ref_s": ref_s,
         "prefill": info.extra["prefill"],

@@ -144,6 +144,15 @@ class RMSNorm(nn.Module):
             return exact_ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, this norm of h) with h = x + delta (x where delta is None): a residual add and the
+        norm after it, one kernel on CUDA (exact_ops)."""
+        if delta is None:
+            return x, self(x)
+        if self.exact:
+            return exact_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        return exact_ops.torch_add_rms_norm(x, delta, self.weight, self.eps)
+
 
 class KVCache(nn.Module):
     """Preallocated keys and values: `slots` sequences of `max_len` positions, plus one scratch
@@ -186,7 +195,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.qkv_proj: nn.Module | None = None
         self.kv_cache: KVCache | None = None
-        self.exact = False  # softmax through exact_ops (see Transformer.use_exact_ops)
+        self.exact = False  # the decode softmax through exact_ops (see Transformer.use_exact_ops)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """q, k and v heads side by side: [B, T, H + 2 KV, hd], not yet rotated."""
@@ -277,14 +286,15 @@ class Attention(nn.Module):
         if kv_len is not None:
             keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        elif mask is None:
+            raise TypeError("a step over the whole cache needs its mask (Transformer.decode makes it)")
         else:
             # Grouped heads as a batched matmul on the cache itself: no repeated keys.
             group = self.n_heads // self.n_kv
             qg = q.reshape(b, self.n_kv, group, self.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.head_dim**-0.5
-            scores = scores.float().masked_fill(mask, float("-inf"))
-            weights = exact_ops.softmax(scores) if self.exact else scores.softmax(dim=-1)
-            y = torch.matmul(weights.to(values.dtype), values)
+            scores, scale = torch.matmul(qg, keys.transpose(-1, -2)), self.head_dim**-0.5
+            softmax = exact_ops.masked_softmax if self.exact else exact_ops.torch_masked_softmax
+            y = torch.matmul(softmax(scores, mask, scale), values)
         return self.o_proj(y.reshape(b, 1, self.n_heads * self.head_dim).to(x.dtype))
 
 
@@ -297,7 +307,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
         self.gate_up_proj: nn.Module | None = None
-        self.exact = False  # silu through exact_ops (see Transformer.use_exact_ops)
+        self.exact = False  # silu(gate) * up through exact_ops (see Transformer.use_exact_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the gated MLP."""
@@ -305,13 +315,16 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj((exact_ops.silu(gate) if self.exact else F.silu(gate)) * up)
+        return self.down_proj((exact_ops.silu_mul if self.exact else exact_ops.torch_silu_mul)(gate, up))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP with residual connections.
 
     `forward` is the decode step (fixed shapes: what gets compiled); `prefill` runs a prompt.
+    Both take the block's input as the residual x plus the previous block's MLP output `pending`
+    (None in the first block), and return theirs: each residual add happens in the norm after it
+    (RMSNorm.add_norm), so on CUDA the add and the norm are one kernel.
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -324,29 +337,35 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        pending: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         rows: torch.Tensor,
         pos: torch.Tensor,
         kv_len: int | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of this block for cache rows 0..B-1 (see Attention.decode)."""
-        h = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, rows, pos, kv_len)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, normed = self.input_layernorm.add_norm(x, pending)
+        attended = self.self_attn.decode(normed, cos, sin, mask, rows, pos, kv_len)
+        h, normed = self.post_attention_layernorm.add_norm(x, attended)
+        return h, self.mlp(normed)
 
     def prefill(
         self,
         x: torch.Tensor,
+        pending: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         slot: int | torch.Tensor | None,
         at: int | torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This block over a prompt chunk of one slot, or of none (see Attention.prefill)."""
-        h = x + self.self_attn.prefill(self.input_layernorm(x), cos, sin, mask, slot, at)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, normed = self.input_layernorm.add_norm(x, pending)
+        attended = self.self_attn.prefill(normed, cos, sin, mask, slot, at)
+        h, normed = self.post_attention_layernorm.add_norm(x, attended)
+        return h, self.mlp(normed)
 
 
 class DecoderStack(nn.Module):
@@ -406,10 +425,11 @@ class Transformer(nn.Module):
         self.register_buffer("rows", torch.arange(slots, device=device), persistent=False)
 
     def use_exact_ops(self, on: bool) -> None:
-        """Run RMSNorm, SiLU and the decode step's softmax through exact_ops (on) or torch's
-        functions (off). Eager results are the same either way; compiled with
-        exact_ops.EMULATE_CASTS, the decode step then computes bit for bit what the eager one
-        does, at the cost of the fusions inductor no longer makes."""
+        """Run RMSNorm (with the residual add before it), SiLU and the decode step's softmax
+        through exact_ops (on) or torch's functions (off). Compiled with exact_ops.EMULATE_CASTS,
+        the decode step then computes bit for bit what the eager one does. Off CUDA, eager
+        results are the same either way; on CUDA the ops run fused Triton kernels, which round
+        differently from torch's functions."""
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.exact = on
@@ -429,10 +449,10 @@ class Transformer(nn.Module):
 
         Only the last position's logits are computed unless `all_logits` (tests, perplexity).
         """
-        x = self._blocks(tokens, slot, start)
+        x, pending = self._blocks(tokens, slot, start)
         if not all_logits:
-            x = x[:, -1:]
-        return self._logits(x)
+            x, pending = x[:, -1:], pending[:, -1:]
+        return self._logits(x, pending)
 
     def copy_prefix(self, source: int, dest: int, length: int) -> None:
         """Copy cache positions 0..length-1 of slot `source` into slot `dest`, in every layer: a
@@ -445,9 +465,12 @@ class Transformer(nn.Module):
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, T, D] (after the final norm) of tokens [1, T] run from position
         0 outside the KV cache (embeddings: every slot's sequence is left as it was)."""
-        return self.model.norm(self._blocks(tokens, None, 0))
+        return self.model.norm.add_norm(*self._blocks(tokens, None, 0))[1]
 
-    def _blocks(self, tokens: torch.Tensor, slot: int | None, start: int) -> torch.Tensor:
+    def _blocks(
+        self, tokens: torch.Tensor, slot: int | None, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last block's residual and MLP output (see DecoderLayer) over tokens [1, T]."""
         t = tokens.shape[1]
         if slot is not None and not 0 <= slot < self.slots:
             raise AgentError(f"slot {slot} does not exist (the cache holds {self.slots})")
@@ -461,10 +484,10 @@ class Transformer(nn.Module):
         if t > 1 or (window and start + t > window):
             q_pos = torch.arange(start, start + t, device=tokens.device)
             mask = self._visible(q_pos, self.key_positions[: start + t])
-        x = self.model.embed_tokens(tokens)
+        x, pending = self.model.embed_tokens(tokens), None
         for layer in self._layers():
-            x = layer.prefill(x, cos, sin, mask, slot, start)
-        return x
+            x, pending = layer.prefill(x, pending, cos, sin, mask, slot, start)
+        return x, _ran(pending)
 
     def prefill_fixed(
         self, tokens: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, last: torch.Tensor
@@ -473,15 +496,17 @@ class Transformer(nn.Module):
         slot [1] at positions pos [T] (padding at `scratch_position`), attending the slot's whole
         cache; logits [1, V] of the token at index last [1]."""
         mask = self._visible(pos, self.key_positions)
-        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rope_cos[pos, None], self.rope_signed_sin[pos, None]
+        x, pending = self.model.embed_tokens(tokens), None
         for layer in self._layers():
-            x = layer.prefill(x, self.rope_cos[pos, None], self.rope_signed_sin[pos, None], mask, slot, pos)
-        return self._logits(x.index_select(1, last))[:, 0]
+            x, pending = layer.prefill(x, pending, cos, sin, mask, slot, pos)
+        return self._logits(x.index_select(1, last), _ran(pending).index_select(1, last))[:, 0]
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of hidden states x: the head may compute in bf16, but bf16 logits tie more
-        often, and an argmax over them took 165 us on a CPU against 30 us in fp32 (49k tokens)."""
-        return self.lm_head(self.model.norm(x)).float()
+    def _logits(self, x: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the last block's residual x plus its MLP output `pending`: the head may
+        compute in bf16, but bf16 logits tie more often, and an argmax over them took 165 us on a
+        CPU against 30 us in fp32 (49k tokens)."""
+        return self.lm_head(self.model.norm.add_norm(x, pending)[1]).float()
 
     def _visible(self, q_pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """[Q, K]: True where the query at q_pos [Q] sees the key at keys [K] (not after it, and
@@ -515,10 +540,17 @@ class Transformer(nn.Module):
             mask = None  # one row sees every key up to its own position
         else:
             mask = self._visible(pos, keys)[:, None, None, :]
-        x = self.model.embed_tokens(tokens[:, None])
+        x, pending = self.model.embed_tokens(tokens[:, None]), None
         for layer in self._layers():
-            x = layer(x, cos, sin, mask, rows, pos, kv_len)
-        return self._logits(x)[:, 0]
+            x, pending = layer(x, pending, cos, sin, mask, rows, pos, kv_len)
+        return self._logits(x, _ran(pending))[:, 0]
+
+
+def _ran(pending: torch.Tensor | None) -> torch.Tensor:
+    """The last block's MLP output, which exists once a block has run (a model has one at least)."""
+    if pending is None:
+        raise AgentError("the model has no decoder layers")
+    return pending
 
 
 def rope_tables(

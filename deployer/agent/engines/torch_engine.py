@@ -104,6 +104,7 @@ class _Decode:
     graph_note: str = "eager"
     prefills: dict[int, Graph] = field(default_factory=dict)  # prefill, by chunk length
     prefill_note: str = "eager"
+    ops_note: str = "torch"  # what the exact ops run (exact_ops.fused_kernels)
 
 
 @dataclass(frozen=True)
@@ -650,6 +651,7 @@ class TorchEngine(Engine):
                 "decode": self._decode.graph_note,
                 "prefill": self._decode.prefill_note,
                 "compile": self._decode.compile_note,
+                "fused_ops": self._decode.ops_note,
                 "prefix_tokens_reused": str(self._reused),
             },
         )
@@ -696,6 +698,9 @@ def _prepare(
     kept for describe()."""
     decode = _Decode()
     layers = loaded.model.model.layers
+    # On CUDA the exact ops run fused Triton kernels: eager steps call them as compiled ones do.
+    decode.ops_note = exact_ops.fused_kernels(loaded.device)  # built and checked before a capture
+    loaded.model.use_exact_ops(loaded.device.type == "cuda")
     if want_compile and loaded.device.type == "cpu":
         decode.step, decode.compile_note = _compile_step(loaded, io)
     elif want_compile:
@@ -771,7 +776,7 @@ def _compile_layers(loaded: LoadedModel, io: torch.Tensor) -> tuple[bool, str]:
     """Compile each decoder layer's decode step (one compiled code, shared by every layer), with
     exact ops and inductor rounding as eager does (exact_ops), so it gives the eager tokens."""
     layers = loaded.model.model.layers
-    loaded.model.use_exact_ops(True)  # eager steps compute the same either way
+    loaded.model.use_exact_ops(True)  # as _prepare does for every CUDA model, eager or not
     for layer in layers:
         layer.compile(fullgraph=True, dynamic=False, options=exact_ops.EMULATE_CASTS)
     error = _try_decode(loaded, io)
