@@ -37,17 +37,6 @@ import torch.nn.functional as F
 EMULATE_CASTS = {"emulate_precision_casts": True}
 
 
-@torch.library.custom_op("sits::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.rms_norm over the last dimension, scaled by `weight`."""
-    return F.rms_norm(x, weight.shape, weight, eps)
-
-
-@rms_norm.register_fake
-def _rms_norm_shape(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
 def torch_add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -127,7 +127,7 @@ def as_token_ids(value: object) -> tuple[int, ...]:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (torch's fused kernel: one op instead of six per call).
+    """Root-mean-square norm of a residual sum (torch's fused kernel: one op instead of six).
 
     `exact`: through exact_ops, which torch.compile calls as it is (see Transformer.use_exact_ops).
     """
@@ -138,17 +138,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.exact = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalize the last dimension and scale."""
-        if self.exact:
-            return exact_ops.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, this norm of h) with h = x + delta (x where delta is None): a residual add and the
-        norm after it, one kernel on CUDA (exact_ops)."""
-        if delta is None:
-            return x, self(x)
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, this norm of h) with h = x + delta, normalized over the last dimension and scaled:
+        a residual add and the norm after it, one kernel on CUDA (exact_ops)."""
         if self.exact:
             return exact_ops.add_rms_norm(x, delta, self.weight, self.eps)
         return exact_ops.torch_add_rms_norm(x, delta, self.weight, self.eps)
@@ -323,8 +315,9 @@ class DecoderLayer(nn.Module):
 
     `forward` is the decode step (fixed shapes: what gets compiled); `prefill` runs a prompt.
     Both take the block's input as the residual x plus the previous block's MLP output `pending`
-    (None in the first block), and return theirs: each residual add happens in the norm after it
-    (RMSNorm.add_norm), so on CUDA the add and the norm are one kernel.
+    (zeros and the embeddings in the first block: Transformer._embed), and return theirs: each
+    residual add happens in the norm after it (RMSNorm.add_norm), so on CUDA the add and the norm
+    are one kernel, and every block runs the same compiled code.
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -337,7 +330,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        pending: torch.Tensor | None,
+        pending: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
@@ -354,7 +347,7 @@ class DecoderLayer(nn.Module):
     def prefill(
         self,
         x: torch.Tensor,
-        pending: torch.Tensor | None,
+        pending: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
@@ -484,10 +477,10 @@ class Transformer(nn.Module):
         if t > 1 or (window and start + t > window):
             q_pos = torch.arange(start, start + t, device=tokens.device)
             mask = self._visible(q_pos, self.key_positions[: start + t])
-        x, pending = self.model.embed_tokens(tokens), None
+        x, pending = self._embed(tokens)
         for layer in self._layers():
             x, pending = layer.prefill(x, pending, cos, sin, mask, slot, start)
-        return x, _ran(pending)
+        return x, pending
 
     def prefill_fixed(
         self, tokens: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, last: torch.Tensor
@@ -497,10 +490,17 @@ class Transformer(nn.Module):
         cache; logits [1, V] of the token at index last [1]."""
         mask = self._visible(pos, self.key_positions)
         cos, sin = self.rope_cos[pos, None], self.rope_signed_sin[pos, None]
-        x, pending = self.model.embed_tokens(tokens), None
+        x, pending = self._embed(tokens)
         for layer in self._layers():
             x, pending = layer.prefill(x, pending, cos, sin, mask, slot, pos)
-        return self._logits(x.index_select(1, last), _ran(pending).index_select(1, last))[:, 0]
+        return self._logits(x.index_select(1, last), pending.index_select(1, last))[:, 0]
+
+    def _embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first block's residual and pending sum (see DecoderLayer): zeros and the
+        embeddings of `tokens`. Adding zeros is exact, and a None would give the first block a
+        compiled code of its own, for each batch bucket."""
+        embedded = self.model.embed_tokens(tokens)
+        return torch.zeros_like(embedded), embedded
 
     def _logits(self, x: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the last block's residual x plus its MLP output `pending`: the head may
@@ -540,17 +540,10 @@ class Transformer(nn.Module):
             mask = None  # one row sees every key up to its own position
         else:
             mask = self._visible(pos, keys)[:, None, None, :]
-        x, pending = self.model.embed_tokens(tokens[:, None]), None
+        x, pending = self._embed(tokens[:, None])
         for layer in self._layers():
             x, pending = layer(x, pending, cos, sin, mask, rows, pos, kv_len)
-        return self._logits(x, _ran(pending))[:, 0]
-
-
-def _ran(pending: torch.Tensor | None) -> torch.Tensor:
-    """The last block's MLP output, which exists once a block has run (a model has one at least)."""
-    if pending is None:
-        raise AgentError("the model has no decoder layers")
-    return pending
+        return self._logits(x, pending)[:, 0]
 
 
 def rope_tables(
