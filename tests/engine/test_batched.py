@@ -198,6 +198,17 @@ def test_compile_that_fails_falls_back_to_eager_with_the_reason(varied_model_dir
     assert run(engine, 0, prompt, GREEDY, 8) == run(engine_on(varied_model_dir), 0, prompt, GREEDY, 8)
 
 
+def test_without_usable_fused_kernels_the_exact_ops_run_torchs_and_say_why(engine):
+    from deployer.agent.engines import exact_ops
+
+    assert engine.describe().extra["fused_ops"] == "torch (fused kernels are for CUDA)"
+    # Here triton is missing (CI) or there is no card to check its kernels on: either way the
+    # ops must fall back, with the reason, rather than fail a CUDA model's load.
+    kernels, note = exact_ops._fused_kernels.__wrapped__()
+    assert kernels is None
+    assert note.startswith("torch (fused kernels unavailable: ") and len(note) > 40, note
+
+
 def test_the_compiled_cpu_step_gives_the_eager_tokens_alone_and_batched(varied_model_dir, engine, engine_on):
     compiled = engine_on(varied_model_dir, slots=4, compile="on")
     assert compiled.describe().extra["compile"] == "on (decode step, inductor C++ wrapper)"
