@@ -129,10 +129,11 @@ class Server:
 
     def _read_port(self, port_from: str) -> int:
         for line in self.process.stdout:
-            if port_from == "first line" and line.strip().isdigit():
-                return int(line)
-            print(f"{self.name}: {line}", end="", file=sys.stderr)  # a warning before the port
-            if "listening on http://127.0.0.1:" in line:  # llama-server's own log line
+            if port_from == "first line":
+                if line.strip().isdigit():
+                    return int(line)
+                print(f"{self.name}: {line}", end="", file=sys.stderr)  # a warning before the port
+            elif "listening on http://127.0.0.1:" in line:  # llama-server's own log line
                 return int(line.split("127.0.0.1:")[1].split()[0].rstrip("/"))
         raise SystemExit(f"{self.name} exited before listening (rc {self.process.wait()})")
 

@@ -122,9 +122,9 @@ def _add_rms_norm_shape(
 
 @torch.library.custom_op("sits::silu_mul", mutates_args=())
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """torch_silu_mul: one Triton kernel on CUDA; the result is contiguous."""
+    """torch_silu_mul: one Triton kernel on CUDA."""
     fused = _fused() if gate.is_cuda else None
-    return torch_silu_mul(gate, up).contiguous() if fused is None else fused.silu_mul(gate, up)
+    return torch_silu_mul(gate, up) if fused is None else fused.silu_mul(gate, up)
 
 
 @silu_mul.register_fake
@@ -134,10 +134,10 @@ def _silu_mul_shape(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("sits::masked_softmax", mutates_args=())
 def masked_softmax(scores: torch.Tensor, hidden: torch.Tensor, scale: float) -> torch.Tensor:
-    """torch_masked_softmax: one Triton kernel on CUDA; the result is contiguous."""
+    """torch_masked_softmax: one Triton kernel on CUDA."""
     fused = _fused() if scores.is_cuda else None
     if fused is None:
-        return torch_masked_softmax(scores, hidden, scale).contiguous()
+        return torch_masked_softmax(scores, hidden, scale)
     return fused.masked_softmax(scores, hidden, scale)
 
 
