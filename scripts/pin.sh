@@ -7,8 +7,9 @@ VENV="${SITS_VENV:-$ROOT/.venv}"
 {
     cat <<'HEADER'
 # The exact versions scripts/setup.sh installs into .venv (pip's -c), so a fresh clone tests what
-# main was tested with, whatever PyPI has released since. `pip install sits-deployer` and a device's
-# wheelhouse follow pyproject.toml's ranges instead. Written by scripts/pin.sh; not by hand.
+# main was tested with, whatever PyPI has released since. `pip install sits-deployer` follows
+# pyproject.toml's ranges instead; a device's wheelhouse, the versions its controller runs. Written
+# by scripts/pin.sh; not by hand.
 HEADER
     # Our own llama-cpp-python build (scripts/llamacpp.sh) is pinned there, by its patches' hash;
     # torch's local label (+cpu) names the build on this disk, not a version PyPI has.

@@ -5,9 +5,12 @@
                         `agent-llamacpp`); torch left out when the device brings its own
     PipTarget           a device platform (DevicePlatform, from the facts) as pip's --platform,
                         --python-version, --implementation and --abi options
+    controller_pins     the version this controller runs of each distribution those requirements
+                        can pull in: the device gets the same releases, as a lock file would give it
     build_wheelhouse    `pip download --only-binary=:all:` of those requirements for that target,
-                        cached under <cache>/wheelhouse/<key>: a second run of the same requirements
-                        and target is served from there without pip (and without network)
+                        held to the controller's pins, cached under <cache>/wheelhouse/<key>: a
+                        second run of the same requirements, pins and target is served from there
+                        without pip (and without network)
 
 pip runs with the controller's own configuration (its find-links, indexes and cache), so a wheel
 that pip finds on the controller's disk is found for the wheelhouse too. A requirement that exists
@@ -23,6 +26,7 @@ version label outranks PyPI's).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import platform
 import re
@@ -38,6 +42,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
 
 from deployer.build.demo_model import cache_root
 from deployer.core.hashing import sha256_file
@@ -51,6 +56,7 @@ __all__ = [
     "Wheelhouse",
     "agent_requirements",
     "build_wheelhouse",
+    "controller_pins",
     "engine_extra",
 ]
 
@@ -58,7 +64,12 @@ MANIFEST = "wheelhouse.json"  # written last: a folder without it is not a wheel
 PIP_TIMEOUT_S = 1800
 _OLDEST_GLIBC_MINOR = 17  # manylinux2014, the oldest tag PyPI still takes
 _LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
-_NO_MATCH = re.compile(r"No matching distribution found for (\S+)")
+# What pip names when no wheel fits: a requirement alone, or one held by a constraint (then pip
+# reports a conflict and lists the distribution on stdout, which --quiet would drop).
+_NO_MATCH = re.compile(
+    r"No matching distribution found for (\S+)"
+    r"|no matching distributions available for your environment:\s+(\S+)"
+)
 _lock = threading.Lock()  # devices of one rollout share a wheelhouse: build it once
 
 
@@ -99,6 +110,48 @@ def agent_requirements(wheel: Path, engine: str, *, system_torch: bool = False) 
         req.marker = None
         found.append(str(req))
     return tuple(sorted(set(found)))
+
+
+def controller_pins(requirements: tuple[str, ...]) -> dict[str, str]:
+    """The public version (no local label: torch's `+cpu` build pins `torch==2.13.0` for a device
+    whose index names it otherwise) that this controller has installed of each distribution
+    `requirements` can pull in, by canonical name.
+
+    Found through the installed distributions' own requirements, with their extras; platform
+    markers are not evaluated (the device's platform is not this one), so the set may hold more
+    than the device installs, which is harmless in constraints. A distribution the controller lacks
+    (one installed without the agent's extras) is not pinned and follows the requirement's range.
+    """
+    pins: dict[str, str] = {}
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if (name, frozenset(req.extras)) in seen:
+            continue
+        seen.add((name, frozenset(req.extras)))
+        try:
+            dist = importlib.metadata.distribution(name)
+            pins[name] = Version(dist.version).public
+        except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+            continue
+        for line in dist.requires or ():
+            try:
+                dep = Requirement(line)
+            except InvalidRequirement:
+                continue  # that distribution's own metadata is broken; its other requirements still count
+            if _pulled_in(dep, req.extras):
+                todo.append(dep)
+    return pins
+
+
+def _pulled_in(dep: Requirement, extras: set[str]) -> bool:
+    """Whether `dep` comes with its distribution installed with `extras`: a requirement of an extra
+    only for those extras; one with platform markers always (they are the device's to decide)."""
+    if dep.marker is None or "extra" not in str(dep.marker):
+        return True
+    return any(dep.marker.evaluate({"extra": extra}) for extra in extras)
 
 
 @dataclass(frozen=True)
@@ -196,16 +249,27 @@ class Wheelhouse:
 
 
 def build_wheelhouse(
-    requirements: tuple[str, ...], target: PipTarget, *, cache: Path | None = None
+    requirements: tuple[str, ...],
+    target: PipTarget,
+    *,
+    cache: Path | None = None,
+    pins: dict[str, str] | None = None,
 ) -> Wheelhouse:
     """The wheelhouse for `requirements` on `target`: from the cache, else made with pip and cached.
 
-    A cached wheelhouse is used only when every wheel still has the hash its manifest recorded.
+    Every distribution in `pins` (name -> version; by default controller_pins(requirements)) comes
+    at that version, so a device runs the releases its controller runs, whenever and wherever the
+    wheelhouse is built; the others take the newest release in range. A cached wheelhouse is used
+    only when every wheel still has the hash its manifest recorded.
     Raises SitsError when pip cannot find or build a wheel for the target.
     """
     root = (cache or cache_root()) / "wheelhouse"
     ours = _our_builds(target)
-    spec = {"requirements": sorted(requirements), "target": asdict(target), "v": 1}
+    constraints = sorted(
+        f"{name}=={version}"
+        for name, version in (controller_pins(requirements) if pins is None else pins).items()
+    )
+    spec = {"requirements": sorted(requirements), "pins": constraints, "target": asdict(target), "v": 1}
     if ours is not None:  # a new build of ours makes a new wheelhouse
         spec["ours"] = sorted(wheel.name for wheel in ours.glob("*.whl"))
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
@@ -217,7 +281,7 @@ def build_wheelhouse(
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=root))
         try:
-            _download(requirements, target, staging, ours)
+            _download(requirements, constraints, target, staging, ours)
             hashes = {p.name: sha256_file(p) for p in sorted(staging.glob("*.whl"))}
             manifest = {**spec, "wheels": hashes}
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
@@ -254,30 +318,47 @@ def _our_builds(target: PipTarget) -> Path | None:
     return ours if ours.is_dir() and target.runs_controller_builds() else None
 
 
-def _download(requirements: tuple[str, ...], target: PipTarget, dest: Path, ours: Path | None) -> None:
-    """pip download every wheel into `dest`, looking in `ours` too; a source-only requirement is
-    built here when it may be."""
+def _pins_named(stderr: str, constraints: list[str]) -> str:
+    """`; held to the controller's X==1.0, ...` for the pinned distributions pip's error names (its
+    errors say which requirement failed, not which pin held it)."""
+    named = {canonicalize_name(word) for word in re.findall(r"[A-Za-z0-9][A-Za-z0-9._-]*", stderr)}
+    held = [pin for pin in constraints if canonicalize_name(pin.split("==")[0]) in named]
+    return f"; held to the controller's {', '.join(held)}" if held else ""
+
+
+def _download(
+    requirements: tuple[str, ...], constraints: list[str], target: PipTarget, dest: Path, ours: Path | None
+) -> None:
+    """pip download every wheel into `dest`, held to `constraints` and looking in `ours` too; a
+    source-only requirement is built here when it may be."""
     built = dest / "built"
+    pinned = dest / "constraints.txt"  # stays in the wheelhouse: what it was held to
+    pinned.write_text("".join(f"{line}\n" for line in constraints))
     links = [] if ours is None else [f"--find-links={ours}"]
     for _ in range(len(requirements) + 1):  # each round builds one more source-only requirement
-        done = _pip("download", "--quiet", "--only-binary=:all:", "--dest", str(dest), *links,
-                    *target.pip_args(), *requirements)  # fmt: skip
+        done = _pip("download", "--progress-bar=off", "--only-binary=:all:", "--dest", str(dest),
+                    f"--constraint={pinned}", *links, *target.pip_args(), *requirements)  # fmt: skip
         if done.returncode == 0:
             break
-        lacking = _NO_MATCH.search(done.stderr)
+        match = _NO_MATCH.search(done.stderr + done.stdout)
+        lacking = None if match is None else match[1] or match[2]
         if lacking is None or not target.runs_controller_builds():
             raise SitsError(
                 f"pip download of the agent's wheels for {target.platforms[0]} "
-                f"(Python {target.python_version}) failed: {done.stderr.strip()[-600:]}",
-                hint="put wheels built for that device into a pip find-links directory "
-                "(pip config set global.find-links DIR) and retry",
+                f"(Python {target.python_version}) failed: {done.stderr.strip()[-600:]}"
+                + _pins_named(done.stderr, constraints),
+                hint="the device gets the versions this controller runs (`pip freeze` lists them): put "
+                "wheels of those built for that device into a pip find-links directory (pip config "
+                "set global.find-links DIR), or install other versions on the controller, and retry",
             )
-        made = _pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(built), lacking[1])
+        made = _pip(
+            "wheel", "--quiet", "--no-deps", f"--constraint={pinned}", "--wheel-dir", str(built), lacking
+        )
         if made.returncode != 0:
             raise SitsError(
-                f"building a wheel of {lacking[1]} (no binary wheel on the index) failed: "
-                f"{made.stderr.strip()[-600:]}",
-                hint=f"run `pip wheel --no-deps '{lacking[1]}'` to see why",
+                f"building a wheel of {lacking} (no binary wheel on the index) failed: "
+                f"{made.stderr.strip()[-600:]}" + _pins_named(made.stderr + made.stdout, constraints),
+                hint=f"run `pip wheel --no-deps '{lacking}'` to see why",
             )
         links.append(f"--find-links={built}")
     else:

@@ -8,19 +8,22 @@ machine, with the controller's pip configuration) by `agent_house`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import platform
 import shutil
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import parse_wheel_filename
 
 from deployer.errors import SitsError
 from deployer.push.bootstrap import build_wheel
 from deployer.push.facts import DevicePlatform
-from deployer.push.wheelhouse import PipTarget, agent_requirements, build_wheelhouse
+from deployer.push.wheelhouse import PipTarget, agent_requirements, build_wheelhouse, controller_pins
 from tests.fleet.agent_packages import CONTROLLER_ONLY, canonical
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -103,10 +106,62 @@ def agent_house(wheel):
     return build_wheelhouse(agent_requirements(wheel, "torch"), PipTarget.of(HERE))
 
 
-def test_the_agent_wheelhouse_takes_the_same_torch_as_pip_install(agent_house):
-    pins = dict(pin.split("==") for pin in agent_house.pins)
-    assert pins["torch"].split("+")[0] == "2.13.0"
-    assert not {canonical(name) for name in pins} & {canonical(p) for p in CONTROLLER_ONLY}
+def _public(version: str) -> str:
+    return version.split("+")[0]
+
+
+def test_the_agent_wheelhouse_holds_the_releases_this_controller_runs(agent_house):
+    pins = {canonical(name): version for name, version in (pin.split("==") for pin in agent_house.pins)}
+    assert not set(pins) & {canonical(p) for p in CONTROLLER_ONLY}
+    # Every wheel, torch and what the agent's dependencies pull in included (anyio through
+    # starlette, h11 through uvicorn), is the version installed here.
+    assert {"torch", "starlette", "anyio", "uvicorn", "h11", "pydantic-core"} <= set(pins)
+    for name, version in pins.items():
+        assert _public(version) == _public(importlib.metadata.version(name)), name
+
+
+def test_controller_pins_follow_installed_metadata_and_skip_what_is_not_installed():
+    pins = controller_pins(("uvicorn>=0.30", "no-such-distribution-here>=1"))
+    assert pins["uvicorn"] == importlib.metadata.version("uvicorn")
+    assert pins["h11"] == importlib.metadata.version("h11")  # uvicorn's own requirement
+    assert "no-such-distribution-here" not in pins  # not installed: it follows its range
+    assert "+" not in controller_pins(("torch",))["torch"]  # torch's local label (+cpu) dropped
+
+
+def _fake_wheel(folder: Path, name: str, version: str) -> Path:
+    """A wheel that installs nothing, enough for pip to resolve and download it."""
+    info = f"{name}-{version}.dist-info"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        zf.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        zf.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_pins_hold_the_wheelhouse_to_a_version_when_a_newer_one_is_offered(
+    agent_house, tmp_path, monkeypatch
+):
+    links = tmp_path / "links"
+    links.mkdir()
+    real = Path(shutil.copy(next(agent_house.folder.glob("click-*.whl")), links))
+    _fake_wheel(links, "click", "99.0")
+    version = parse_wheel_filename(real.name)[1]
+    target = PipTarget.of(HERE)
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))  # local wheels only
+    held = build_wheelhouse(("click>=8.1",), target, cache=tmp_path, pins={"click": str(version)})
+    assert held.pins == [f"click=={version}"]
+    assert (held.folder / "constraints.txt").read_text() == f"click=={version}\n"
+    free = build_wheelhouse(("click>=8.1",), target, cache=tmp_path, pins={})
+    assert free.pins == ["click==99.0"] and free.folder != held.folder
+    older = PipTarget.of(dataclasses.replace(HERE, libc_version="2.17"))  # one that may not build here
+    with pytest.raises(SitsError, match=r"held to the controller's click==98\.0") as caught:
+        build_wheelhouse(("click>=8.1",), older, cache=tmp_path, pins={"click": "98.0"})
+    assert "versions this controller runs" in (caught.value.hint or "")
 
 
 def test_a_second_build_is_served_from_the_cache_and_a_tampered_one_is_rebuilt(
@@ -122,7 +177,7 @@ def test_a_second_build_is_served_from_the_cache_and_a_tampered_one_is_rebuilt(
     again = build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
     assert again == first
     first.wheels[0].path.write_bytes(b"tampered")
-    with pytest.raises(SitsError, match="No matching distribution"):  # rebuilt: pip finds nothing
+    with pytest.raises(SitsError, match="building a wheel of click"):  # rebuilt: pip finds nothing
         build_wheelhouse(("click>=8.1",), target, cache=tmp_path)
 
 
@@ -153,5 +208,5 @@ def test_our_own_builds_are_not_offered_to_a_device_that_may_not_run_them(agent_
     _our_builds_only(agent_house, tmp_path, monkeypatch)
     older = PipTarget.of(dataclasses.replace(HERE, libc_version="2.17"))  # an older glibc than ours
     assert not older.runs_controller_builds()
-    with pytest.raises(SitsError, match="No matching distribution"):
-        build_wheelhouse(("click>=8.1",), older, cache=tmp_path)
+    with pytest.raises(SitsError, match="No matching distribution"):  # unpinned: pip's plain words
+        build_wheelhouse(("click>=8.1",), older, cache=tmp_path, pins={})
