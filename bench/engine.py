@@ -2,8 +2,10 @@
 
 CPU (real SmolLM2-135M-Instruct, batch 1, greedy): transformers `generate` in fp32 and
 llama.cpp (llama-cpp-python in-process, the shipped Q4_1 GGUF) as baselines, then our torch
-engine on fp32, bf16, int8 and int4 (group 32) weights, and fp32 and int4 with the decode step
-compiled (`compile="on"`: one inductor graph with a C++ wrapper). Each row runs in its own
+engine on fp32, bf16, int8 and int4 (group 32) weights, fp32 and int4 with the decode step
+compiled (`compile="on"`: one inductor graph with a C++ wrapper), and compiled fp32 decoding
+speculatively with its int4 draft (`draft="int4"`; its row names the proposals accepted; its
+limit column is that of one read of the fp32 weights a token, which it can pass). Each row runs in its own
 process, so its peak RSS is its own. The memory-bound limit of each row is its bytes read a
 token (the linear layers' weights and the head, not the embedding table) over the read
 bandwidth measured in the same run at the same threads: the faster of a sum and of a
@@ -50,6 +52,7 @@ ROWS = {
     "llama.cpp Q4_1": ("llama.cpp", "gguf", None, None),
     "ours fp32": ("ours", "fp32", None, "fp32"),
     "ours fp32 compiled": ("ours+compile", "fp32", None, "fp32"),
+    "ours fp32 compiled + int4 draft": ("ours+compile+draft", "fp32", None, "fp32"),
     "ours bf16": ("ours", "fp32", None, "bf16"),
     "ours int8": ("ours", "int8", None, "auto"),
     "ours int4-g32": ("ours", "int4", 32, "auto"),
@@ -118,13 +121,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(path: Path, dtype: str, device: str, repeats: int, compile_: str = "auto") -> dict:
+def run_ours(
+    path: Path, dtype: str, device: str, repeats: int, compile_: str = "auto", draft: str = "off"
+) -> dict:
     """Load our engine, then time first token and decode over `repeats` runs."""
     from deployer.agent.engines.base import ChatMessage, SamplingParams
     from deployer.agent.engines.torch_engine import TorchEngine
 
     started = time.perf_counter()
-    engine = TorchEngine(device=device, dtype=dtype, max_context=512, compile=compile_)
+    engine = TorchEngine(device=device, dtype=dtype, max_context=512, compile=compile_, draft=draft)
     engine.load(path)
     load_s = time.perf_counter() - started
     engine.warmup()
@@ -134,6 +139,8 @@ def run_ours(path: Path, dtype: str, device: str, repeats: int, compile_: str = 
     for _ in range(repeats):
         engine.release(0)
         engine._state[0].held = []  # no prefix reuse: time the whole prefill
+        if engine._drafter is not None:
+            engine._drafter.held[0] = []  # the draft's too
         start = time.perf_counter()
         stamps, pieces = [], []
         for event in engine.stream(prompt, params):
@@ -153,6 +160,7 @@ def run_ours(path: Path, dtype: str, device: str, repeats: int, compile_: str = 
         "kernel": info.kernel,
         "dtype": info.extra["dtype"],
         "text": text[:60],
+        **({"draft": info.extra["draft"]} if draft != "off" else {}),
     }
 
 
@@ -248,7 +256,9 @@ def worker(label: str, threads: int, device: str, repeats: int) -> dict:
     elif engine == "llama.cpp":
         result = run_llamacpp(path, threads, repeats)
     else:
-        result = run_ours(path, dtype, device, repeats, "on" if engine == "ours+compile" else "auto")
+        compile_ = "on" if engine.startswith("ours+compile") else "auto"
+        draft = "int4" if engine.endswith("+draft") else "off"
+        result = run_ours(path, dtype, device, repeats, compile_, draft)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device == "cuda":
         result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -325,6 +335,8 @@ def print_table(
     for label, threads, r in results:
         if "text" in r:
             console.print(f"[dim]{label} @{threads}: {r['text']!r}[/dim]")
+        if "draft" in r:
+            console.print(f"[dim]{label} @{threads}: draft {r['draft']}[/dim]")
 
 
 def _limit_cells(row: dict, gb_s: float) -> list[str]:

@@ -85,8 +85,7 @@ DEFAULT_SCHEMES = SCHEMES[:3]
 
 def random_checkpoint(config: dict, scheme: str, device: str) -> tuple[dict[str, torch.Tensor], dict]:
     """Seeded random tensors under HF names, quantized as `scheme`; and the module layouts."""
-    from deployer.build.quantize import quantize_int4, quantize_int8
-    from deployer.core.quant_layout import ModuleQuant
+    from deployer.core.quant_layout import ModuleQuant, quantize_int4, quantize_int8
 
     c = config
     dim, inter, hd = (

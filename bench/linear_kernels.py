@@ -25,8 +25,7 @@ from deployer.agent.engines.qlinear import (
     Int8TritonLinear,
     LinearWeights,
 )
-from deployer.build.quantize import quantize_int4, quantize_int8
-from deployer.core.quant_layout import ModuleQuant
+from deployer.core.quant_layout import ModuleQuant, quantize_int4, quantize_int8
 
 ROWS = (1, 16, 32)
 KERNELS = ("bf16", "int4-g32", "int8 triton", "int8 aten")

@@ -19,6 +19,11 @@ aggregate and >= llama-server at 4 clients; its p50 TTFT at 4 clients <= 2x sing
 `--soak N` instead sends N short requests to the llama.cpp agent and prints its RSS after 100 and
 after N, and the slope (the growth per 1,000 requests, and extrapolated to 72 hours at that rate).
 
+`--draft` instead serves the fp32 SmolLM2 checkpoint through the torch agent twice, 2 threads,
+decode compiled (the agent is measured once its background compile is done): without a draft and
+with agent.yaml's `draft: int4` (docs/torch-engine.md), so the table shows what speculation gives
+one client and what it costs the batched steps of 4 and 16 (none speculate).
+
 `--device cuda` serves random weights instead, in each shape of `--shapes` (SmolLM2-135M and a
 Qwen2.5-1.5B-like shape by default; bench/engine_gpu.py's builder, bf16), through the same agent
 with the torch engine on the GPU: CUDA graphs, 16 slots. The checkpoint gets SmolLM2's tokenizer
@@ -31,6 +36,7 @@ ends a stream early. Target (an H200): aggregate at 16 clients >= 8x single. `--
     python bench/serve.py --soak 10000           # the memory soak
     PYTHONPATH=. python bench/serve.py --device cuda                     # GPU, random weights
     PYTHONPATH=. python bench/serve.py --device cpu --shapes tiny --requests 1   # its smoke run
+    PYTHONPATH=. python bench/serve.py --draft                           # fp32, with and without a draft
 """
 
 from __future__ import annotations
@@ -79,8 +85,11 @@ class Row:
 # -- servers -------------------------------------------------------------------------------------
 
 
-def child_agent(engine: str, artifact_dir: Path, threads: int, device: str) -> None:
-    """An agent on 127.0.0.1 serving the artifact; prints its port, serves until stdin closes."""
+def child_agent(
+    engine: str, artifact_dir: Path, threads: int, device: str, compile_: str = "auto", draft: str = "off"
+) -> None:
+    """An agent on 127.0.0.1 serving the artifact; prints its port (once a background compile
+    is done), serves until stdin closes."""
     from deployer.agent.engines import make_engine
     from deployer.agent.http.server import AgentServer
     from deployer.agent.settings import AgentSettings
@@ -98,16 +107,29 @@ def child_agent(engine: str, artifact_dir: Path, threads: int, device: str) -> N
         latency_budget_ms=120_000,  # a busy machine must not turn the bench into a load failure
     )
 
+    made = []
+
     def factory():
-        return make_engine(
-            engine, context_length=CONTEXT, device=device, threads=threads, slots=settings.max_concurrent
+        made.append(
+            make_engine(
+                engine,
+                context_length=CONTEXT,
+                device=device,
+                threads=threads,
+                slots=settings.max_concurrent,
+                compile=compile_,
+                draft=draft,
+            )
         )
+        return made[-1]
 
     server = AgentServer(settings, factory)
     server.start()
     result = server.reload(artifact_dir, "v1")
     if not result.ok:
         raise SystemExit(f"load failed: {result.reason}")
+    if compile_ == "on" and not made[-1].wait_compiled(1800):
+        raise SystemExit("the background compile took more than 30 minutes")
     print(server.port, flush=True)
     sys.stdin.read()
     server.stop()
@@ -162,6 +184,16 @@ class Server:
         finally:
             conn.close()
 
+    def describe_draft(self) -> str:
+        """What /v1/models says of the torch engine's draft (speculative decoding)."""
+        conn = HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request("GET", "/v1/models")
+            model = json.loads(conn.getresponse().read())["data"][0]
+        finally:
+            conn.close()
+        return str(model.get("extra", {}).get("draft", "-"))
+
     def rss_mb(self) -> float:
         """VmRSS of the server process, in MB."""
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
@@ -176,8 +208,17 @@ class Server:
         self.process.wait(60)
 
 
-def start_agent(engine: str, artifact_dir: Path, device: str = "cpu", name: str | None = None) -> Server:
-    args = [sys.executable, __file__, "--child-agent", engine, str(artifact_dir), "1", device]
+def start_agent(
+    engine: str,
+    artifact_dir: Path,
+    device: str = "cpu",
+    name: str | None = None,
+    threads: int = 1,
+    compile_: str = "auto",
+    draft: str = "off",
+) -> Server:
+    args = [sys.executable, __file__, "--child-agent", engine, str(artifact_dir), str(threads), device]
+    args += [compile_, draft]
     return Server(name or f"agent {engine}", args, "first line")
 
 
@@ -388,6 +429,31 @@ def serve_random(shapes: list[str], device: str, tokenizer_dir: Path, requests: 
         console.print(line)
 
 
+def serve_draft(requests: int, tokens: int) -> None:
+    """The fp32 checkpoint through the torch agent, compiled, without and with an int4 draft."""
+    from deployer.build.demo_model import prepare_smollm2
+
+    source, rows = prepare_smollm2(), []
+    for name, draft in (("agent torch fp32", "off"), ("agent torch fp32 + int4 draft", "int4")):
+        server = start_agent("torch", source, "cpu", name, threads=2, compile_="on", draft=draft)
+        try:
+            for clients in CLIENTS:
+                rows.append(measure(server, clients, requests, tokens))
+            print(f"{name}: {server.describe_draft()}", flush=True)
+        finally:
+            server.stop()
+    load = os.getloadavg()
+    title = (
+        f"SmolLM2-135M-Instruct fp32, {tokens} tokens per stream, greedy, 2 engine threads, decode "
+        f"compiled, {os.cpu_count()} CPUs, load average {load[0]:.1f} at the end"
+    )
+    Console(width=150).print(table(rows, title))
+    single = {r.server: r.aggregate_tok_s for r in rows if r.clients == 1}
+    if len(single) == 2:
+        plain, drafted = single.values()
+        print(f"one client: the draft gives {drafted / plain:.2f}x the tokens/s of plain steps")
+
+
 def soak(gguf: Path, requests: int) -> None:
     """RSS of the llama.cpp agent after 100 and after `requests` short requests; the slope."""
     server = start_agent("llama.cpp", gguf)
@@ -448,11 +514,15 @@ def main() -> None:
     parser.add_argument(
         "--tokenizer", type=Path, help="with --device: tokenizer.json and tokenizer_config.json"
     )
-    parser.add_argument("--child-agent", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--draft", action="store_true", help="fp32 through the torch agent, with and without")
+    parser.add_argument("--child-agent", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_agent:
-        engine, directory, threads, device = args.child_agent
-        child_agent(engine, Path(directory), int(threads), device)
+        engine, directory, threads, device, compile_, draft = args.child_agent
+        child_agent(engine, Path(directory), int(threads), device, compile_, draft)
+        return
+    if args.draft:
+        serve_draft(args.requests, args.tokens)
         return
     if args.device:
         from deployer.build.demo_model import prepare_smollm2

@@ -11,6 +11,7 @@ a typo must not silently fall back to a default on a device nobody is watching. 
     swap_policy: auto        # side-by-side when MemAvailable holds both models, else unload-first
     device: auto             # cuda when torch sees a CUDA device, else cpu (default: cpu)
     compile: auto            # torch engine: on compiles decode on a CPU too (minutes at first load)
+    draft: off               # torch engine on a CPU: int4 drafts a lone greedy sequence's tokens
     smoke_prompts:
       - prompt: "What is the capital of France?"
         expect: Paris
@@ -102,6 +103,11 @@ class AgentSettings(BaseModel):
         default="auto",
         description="torch engine: compile decode with inductor; auto: on CUDA only (a CPU's first "
         "compile takes minutes and needs a C++ compiler)",
+    )
+    draft: Literal["off", "int4"] = Field(
+        default="off",
+        description="torch engine on a CPU: int4 decodes a lone greedy sequence speculatively, an "
+        "int4 copy of the model (made at load) proposing tokens that one pass of the model checks",
     )
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; None: torch's")
     context_length: int = Field(default=2048, ge=16, description="cap on the engine's KV cache")

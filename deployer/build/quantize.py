@@ -19,14 +19,7 @@ import torch
 
 from deployer.build.spec import QuantSpec
 from deployer.core.manifest import FLOAT_SCHEMES
-from deployer.core.quant_layout import (
-    MIN_SCALE,
-    ROW_CHUNK,
-    TORCH_DTYPES,
-    ModuleQuant,
-    fp16_scale,
-    quantize_int8,
-)
+from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant, quantize_int4, quantize_int8
 from deployer.errors import BuildError
 
 FLOAT_DTYPES: dict[str, tuple[str, torch.dtype]] = {
@@ -129,42 +122,3 @@ def quantize_tensor(plan: TensorPlan, weight: torch.Tensor) -> dict[str, torch.T
             raise BuildError(f"internal: {stored.name} came out {tensor.dtype}{list(tensor.shape)}")
         result[stored.name] = tensor
     return result
-
-
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric group-wise int4: (packed uint8 [out, in_p/2], scale fp16 [out, in_p/g],
-    zero uint8 [out, in_p/g]).
-
-    (Clipping each group's range to minimize weight error was tried: it lowered the weight
-    error on SmolLM2 but raised perplexity, so the plain min..max range is used.)
-    """
-    out_features, in_features = weight.shape
-    in_padded = math.ceil(in_features / group_size) * group_size
-    packed = torch.empty(out_features, in_padded // 2, dtype=torch.uint8)
-    scale = torch.empty(out_features, in_padded // group_size, dtype=torch.float16)
-    zero = torch.empty(out_features, in_padded // group_size, dtype=torch.uint8)
-    for rows in range(0, out_features, ROW_CHUNK):
-        chunk = slice(rows, rows + ROW_CHUNK)
-        w = torch.nn.functional.pad(weight[chunk].float(), (0, in_padded - in_features))
-        q, scale[chunk], zero[chunk] = _int4_groups(w.reshape(w.shape[0], -1, group_size))
-        q = q.reshape(w.shape[0], in_padded)
-        packed[chunk] = q[:, 0::2] | (q[:, 1::2] << 4)
-    return packed, scale, zero
-
-
-def _int4_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize [rows, n, g] groups over their min..max range: (q, scale fp16, zero uint8).
-
-    The zero point is rounded first and the scale then widened just enough that both ends of
-    the range fit; otherwise the largest weights (which matter most) would be clipped.
-    """
-    low = groups.amin(dim=-1).clamp(max=0.0)
-    high = groups.amax(dim=-1).clamp(min=0.0)
-    zero = torch.round(-low / ((high - low) / 15.0).clamp(min=MIN_SCALE)).clamp_(0, 15)
-    fit_high = torch.where(zero < 15, high / (15.0 - zero), torch.zeros_like(high))
-    fit_low = torch.where(zero > 0, -low / zero.clamp(min=1.0), torch.zeros_like(low))
-    # Round up to the next fp16 so the stored scale still fits the range.
-    scale = fp16_scale(torch.maximum(fit_high, fit_low) * (1.0 + 2.0**-10))
-    s = scale.float()
-    q = (torch.round(groups / s[..., None]) + zero[..., None]).clamp_(0, 15)
-    return q.to(torch.uint8), scale, zero.to(torch.uint8)

@@ -256,7 +256,7 @@ def _engine_findings(given: CheckInput) -> list[Finding]:
 
 
 def _agent_findings(given: CheckInput) -> list[Finding]:
-    """Device and compile settings the engine cannot honour."""
+    """Device, compile and draft settings the engine cannot honour."""
     agent = given.agent
     if agent is None:
         return []
@@ -280,7 +280,28 @@ def _agent_findings(given: CheckInput) -> list[Finding]:
         )
     if agent.device == "cuda" and agent.engine != "llama.cpp":
         findings += _hidden_gpu_findings(given)
-    return findings
+    return findings + _draft_findings(given)
+
+
+def _draft_findings(given: CheckInput) -> list[Finding]:
+    """agent.draft where it cannot work: llama.cpp refuses it at load; on CUDA and for an int4
+    model the torch engine serves without it (and says so in /v1/models)."""
+    agent, model = given.agent, given.model
+    if agent is None or agent.draft == "off":
+        return []
+    problem = None
+    if agent.engine == "llama.cpp":
+        problem = "agent.engine llama.cpp has no draft model here (the agent refuses it at load)"
+    elif agent.device == "cuda":
+        problem = "the int4 draft is for CPU devices: on CUDA the agent serves without it"
+    elif model is not None and model.quantization.scheme == "int4" and not model.quantization.overrides:
+        problem = (
+            "the model is int4 already: its int4 draft would be the model itself "
+            "(the agent serves without it)"
+        )
+    if problem is None:
+        return []
+    return [given.positions.finding(("agent", "draft"), problem, "remove agent.draft, or set it to off")]
 
 
 def _hidden_gpu_findings(given: CheckInput) -> list[Finding]:

@@ -587,6 +587,20 @@ class AgentSettings(_Model):
             "(without them the agent serves eager, and /v1/models says why). Not for llama.cpp."
         ),
     ] = "auto"
+    draft: Annotated[
+        Literal["off", "int4"],
+        Field(
+            description="Speculative decoding in the torch engine on a CPU. int4: an int4 copy of "
+            "the model, made at load, proposes up to 5 tokens at a time (fewer where it is unsure) "
+            "and one pass of the model checks them, so a lone greedy request gets several tokens "
+            "for about one read of the weights: "
+            "the text is the model's own, only faster (SmolLM2 fp32: see docs/torch-engine.md). "
+            "Requests that sample, or that carry logprobs, penalties, biases or a grammar, and "
+            "steps of several requests at once decode as without it. For fp32, bf16, fp16 and "
+            "int8 models (an int4 model would be its own draft); costs the int4 copy's memory. "
+            "Not for CUDA or llama.cpp."
+        ),
+    ] = "off"
     # Loopback by default; beyond it every route but /healthz and /readyz needs an API key.
     host: IPvAnyAddress = IPv4Address("127.0.0.1")
     api_keys: ApiKeys | None = None

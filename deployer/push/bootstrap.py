@@ -103,6 +103,8 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
         "engine": config.agent.engine,
         "device": config.agent.device,
         "compile": config.agent.compile,
+        # Only when on: every agent.yaml written before it existed stays the same text (no restart).
+        **({"draft": config.agent.draft} if config.agent.draft != "off" else {}),
         "max_concurrent": config.agent.max_concurrent,
         "queue_length": config.agent.queue_length,
         "max_tokens": config.agent.max_tokens,

@@ -102,3 +102,16 @@ def test_the_llama_cpp_engine_refuses_compile_on():
     with pytest.raises(AgentError, match="nothing to compile") as info:
         make_engine("llama.cpp", compile="on")
     assert "compile: auto" in info.value.hint
+
+
+def test_the_llama_cpp_engine_refuses_a_draft():
+    with pytest.raises(AgentError, match="no draft model") as info:
+        make_engine("llama.cpp", draft="int4")
+    assert "draft: off" in info.value.hint
+
+
+def test_agent_yaml_draft_reaches_the_torch_engine(tiny_model_dir):
+    settings = AgentSettings(context_length=128, max_prompt_tokens=64, max_concurrent=2, draft="int4")
+    engine = engine_factory_for(settings)()
+    engine.load(tiny_model_dir)
+    assert engine.describe().extra["draft"].startswith("int4-g32 (draft), up to 5 proposals a round, eager")

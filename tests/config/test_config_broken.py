@@ -104,6 +104,29 @@ CASES = [
         (22, 11, "agent.device", "agent.engine llama.cpp runs on the CPU: device cuda would fail"),
     ),
     (
+        "unknown-draft",
+        {"append": "agent:\n  draft: int2\n"},
+        (21, 10, "agent.draft", "unknown value 'int2'; expected 'off' or 'int4'"),
+    ),
+    (
+        "draft-on-llama-cpp",
+        {"append": "agent:\n  engine: llama.cpp\n  draft: int4\n"},
+        (22, 10, "agent.draft", "agent.engine llama.cpp has no draft model here"),
+    ),
+    (
+        "draft-on-cuda",
+        {"append": "agent:\n  device: cuda\n  draft: int4\n"},
+        (22, 10, "agent.draft", "the int4 draft is for CPU devices"),
+    ),
+    (
+        "draft-of-int4",
+        {
+            "replace": (("  version: 1.0.0", "  version: 1.0.0\n  quantization: {scheme: int4}"),),
+            "append": "agent:\n  draft: int4\n",
+        },
+        (22, 10, "agent.draft", "the model is int4 already"),
+    ),
+    (
         "cuda-without-accelerator",
         {
             "replace": (("      transport: local\n      root: ./fleet/d2", "      host: 10.0.0.2"),),

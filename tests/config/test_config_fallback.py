@@ -129,3 +129,15 @@ def test_an_upstream_needs_a_url_and_a_model(write_config, field):
         )
     )
     assert any(f"fallback.upstream.{field}" in f for f in _findings(path))
+
+
+def test_the_draft_reaches_the_agent_only_when_on(write_config):
+    from deployer.agent.settings import AgentSettings
+
+    for agent, want in (("", None), ("agent:\n  draft: int4\n", "int4")):
+        path = write_config(agent)
+        assert _findings(path, {}) == []
+        config = load_config(path, {})
+        text = agent_settings(config, DeviceSite.of(config, config.fleet.devices[0]))
+        assert yaml.safe_load(text).get("draft") == want  # an agent.yaml without it stays as it was
+        assert AgentSettings(**yaml.safe_load(text)).draft == (want or "off")  # what the agent reads

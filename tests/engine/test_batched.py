@@ -10,16 +10,7 @@ import torch
 
 from deployer.agent.engines.base import SamplingParams, common_prefix
 from deployer.errors import AgentError
-
-GREEDY = SamplingParams(max_tokens=128, temperature=0)
-PROMPTS = ("The capital of", "Edge devices run small language models.", "hello world 123")
-
-
-def run(engine, slot, prompt, params, n):
-    tokens = [engine.prefill(slot, prompt, params)]
-    tokens += [engine.step([slot])[0] for _ in range(n - 1)]
-    engine.release(slot)
-    return tokens
+from tests.engine.steps import GREEDY, PROMPTS, run
 
 
 @pytest.fixture(scope="module")

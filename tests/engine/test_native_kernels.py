@@ -24,8 +24,13 @@ from deployer.agent.engines.qlinear import (
     LinearWeights,
     build_linear,
 )
-from deployer.build.quantize import quantize_int4, quantize_int8
-from deployer.core.quant_layout import ModuleQuant, dequantize_int4, dequantize_int8
+from deployer.core.quant_layout import (
+    ModuleQuant,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+)
 
 CPU = torch.device("cpu")
 

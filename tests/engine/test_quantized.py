@@ -21,8 +21,7 @@ from deployer.agent.engines.qlinear import (
     build_linear,
     choose_float_kernels,
 )
-from deployer.build.quantize import quantize_int4, quantize_int8
-from deployer.core.quant_layout import ModuleQuant
+from deployer.core.quant_layout import ModuleQuant, quantize_int4, quantize_int8
 from deployer.errors import FormatError
 
 PROMPT = "The capital of France is Paris. Hello, how are you today?"

@@ -18,12 +18,14 @@ def make_engine(
     threads: int | None = None,
     slots: int | None = None,
     compile: str = "auto",
+    draft: str = "off",
 ) -> Engine:
     """A new, unloaded engine of the named kind ("torch" or "llama.cpp"); `slots` is how many
     sequences its batched step runs together (agent.yaml's max_concurrent; None: the engine's
     default). `device` is "cpu", "cuda" or "auto" (the torch engine: CUDA when torch sees a CUDA
     device, else the CPU; llama.cpp: the CPU). `compile` is the torch engine's "auto", "on" or
-    "off" (see TorchEngine); llama.cpp has nothing to compile and refuses "on".
+    "off" (see TorchEngine); llama.cpp has nothing to compile and refuses "on". `draft` is the
+    torch engine's speculative decoding on a CPU ("off" or "int4"); llama.cpp refuses it.
 
     Raises AgentError for an unknown name or an engine whose optional dependency is missing.
     """
@@ -40,6 +42,7 @@ def make_engine(
             slots=slots,
             compile=compile,
             background_compile=True,
+            draft=draft,
         )
     if name == "llama.cpp":
         if device not in ("cpu", "auto"):
@@ -51,6 +54,11 @@ def make_engine(
             raise AgentError(
                 "the llama.cpp engine has nothing to compile: compile: on means nothing there",
                 hint="set `compile: auto` (or leave it out), or use `engine: torch`",
+            )
+        if draft != "off":
+            raise AgentError(
+                f"the llama.cpp engine here has no draft model: draft: {draft} is the torch engine's",
+                hint="set `draft: off` (or leave it out), or use `engine: torch`",
             )
         from deployer.agent.engines.llamacpp_engine import LlamaCppEngine
 

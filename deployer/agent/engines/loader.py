@@ -30,13 +30,16 @@ from deployer.agent.engines.qlinear import (
 )
 from deployer.core.fsutil import read_json_object
 from deployer.core.manifest import INTEGER_SCHEMES, MANIFEST_NAME, read_manifest
-from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant, quantize_int8
+from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant, dequantize, quantize_int4, quantize_int8
 from deployer.core.safetensors_io import TensorEntry, read_header
 from deployer.errors import AgentError, FormatError
 
 # torch's cuBLAS workspace before Hopper: 2 x 4 MiB + 8 x 16 KiB per stream.
 CUBLAS_WORKSPACE = ":4096:2:16:8"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The draft model of speculative decoding (load_draft): int4 in groups of this many columns, the
+# scheme that decodes fastest on a CPU (docs/torch-engine.md).
+DRAFT_GROUP = 32
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -184,6 +187,52 @@ def load_model(
         max_context=max_context,
         slots=slots,
         quantize_head=quantize_head,
+    )
+
+
+def load_draft(directory: Path, *, device: str, max_context: int, slots: int) -> LoadedModel:
+    """An int4 (group DRAFT_GROUP) copy of the model in `directory`, quantized here from its
+    stored weights, with its own KV cache of `slots` x `max_context`: the draft model that
+    proposes tokens for the engine's speculative decoding. Its quality changes only how many of
+    them are accepted, never the text, so a plain min..max quantization serves.
+
+    Raises AgentError for a model stored in int4 already (its draft would be itself).
+    """
+    config = read_json(directory / "config.json")
+    weights = WeightFiles(directory)
+    facts = read_facts(directory, weights)
+    if facts.quantization.startswith("int4"):
+        raise AgentError(
+            f"{facts.name} is stored in {facts.quantization}: an int4 draft of it would be the model itself",
+            hint="use a draft for fp32, bf16, fp16 or int8 models, or set draft: off",
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    modules: dict[str, ModuleQuant] = {}
+    for name in sorted(weights.names()):
+        if name.endswith(("_scale", "_zero")):
+            continue  # read with their weight
+        module = name.removesuffix(".weight")
+        stored = weights.require(name)
+        if not (name.endswith("proj.weight") and stored.dim() == 2):
+            tensors[name] = stored  # norms, biases, the embedding (and a head: an int8 one below)
+            continue
+        parts = {n: t for n in (name, f"{name}_scale", f"{name}_zero") if (t := weights.get(n)) is not None}
+        weight = dequantize(name, facts.modules.get(module), parts)
+        packed, scale, zero = quantize_int4(weight, DRAFT_GROUP)
+        tensors.update({name: packed, f"{name}_scale": scale, f"{name}_zero": zero})
+        out_features, in_features = weight.shape
+        modules[module] = ModuleQuant("int4", DRAFT_GROUP, in_features, packed.shape[1] * 2, out_features)
+    draft_facts = ArtifactFacts(facts.name, facts.version, f"int4-g{DRAFT_GROUP} (draft)", modules)
+    return build_model(
+        config,
+        MemoryWeights(tensors),
+        draft_facts,
+        directory,
+        device=device,
+        dtype="auto",
+        max_context=max_context,
+        slots=slots,
+        quantize_head=True,
     )
 
 

@@ -43,10 +43,11 @@ from deployer.agent.engines.base import (
     token_of,
 )
 from deployer.agent.engines.llama import as_token_ids
-from deployer.agent.engines.loader import LoadedModel, load_model, read_json
+from deployer.agent.engines.loader import LoadedModel, load_draft, load_model, read_json
 from deployer.agent.engines.logits import TokenProcessor, Vocabulary
 from deployer.agent.engines.qlinear import KERNEL_LINEAR
 from deployer.agent.engines.sampling import Sampler, choose, new_generator
+from deployer.agent.engines.speculative import DRAFT_TOKENS, DecodeFn, Drafter, accepted_run
 from deployer.agent.engines.textstream import token_events
 from deployer.errors import AgentError
 
@@ -76,17 +77,17 @@ TUNING_FLUSH_BYTES = 1 << 20
 @dataclass
 class _Slot:
     """What one cache slot holds: `held` ids are in the KV cache at positions 0..len-1; `last` is
-    the newest token, not yet in the cache (None: the slot is not running)."""
+    the newest token, not yet in the cache (None: the slot is not running). `ahead` are tokens a
+    speculative round decided that the next steps return, oldest first, `last` among them: the
+    cache already holds the ones before it."""
 
     held: list[int] = field(default_factory=list)
     last: int | None = None
     sampler: Sampler | None = None
+    ahead: list[int] = field(default_factory=list)
 
 
 Graph = tuple[torch.cuda.CUDAGraph, torch.Tensor]  # a captured graph and its logits
-
-
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, int | None], torch.Tensor]
 
 
 @dataclass
@@ -172,6 +173,7 @@ class TorchEngine(Engine):
         graph_buckets: Sequence[int] = GRAPH_BUCKETS,
         quantize_head: bool | None = None,
         background_compile: bool = False,
+        draft: str = "off",
     ) -> None:
         """`device` is "cpu", "cuda" (or "cuda:N") or "auto": CUDA when torch sees a CUDA device,
         else the CPU (`choose_device`; `extra["device_choice"]` in `describe()` says which and why).
@@ -189,6 +191,10 @@ class TorchEngine(Engine):
         (the agent's choice) compiles that CPU step on a thread of its own after load: the engine
         serves eager steps meanwhile and switches between two steps once the compiled one runs,
         so a first compile of minutes never holds up readiness (`wait_compiled`).
+
+        `draft` "int4" decodes a lone greedy sequence speculatively (engines/speculative.py): an
+        int4 copy of the model made at load proposes up to DRAFT_TOKENS tokens, and one pass of the
+        model checks them all. CPU only; "off" (the default) decodes one token a step.
         """
         device, self._device_choice = choose_device(device)
         if compile not in ("auto", "on", "off"):
@@ -200,6 +206,16 @@ class TorchEngine(Engine):
         self._slots = slots or DEFAULT_SLOTS[kind]
         if self._slots < 1:
             raise AgentError(f"slots must be at least 1, got {self._slots}")
+        if draft not in ("off", "int4"):
+            raise AgentError(f"draft must be off or int4, not {draft!r}")
+        self._draft_scheme = draft
+        self._drafter: Drafter | None = None
+        self._draft_off = "off"  # why there is no drafter (describe)
+        if draft != "off" and kind == "cuda":
+            # device auto may land here: the model serves, only without a draft.
+            self._draft_scheme = "off"
+            why = f"{draft} asked for: the draft is for CPU devices, this model runs on {device}"
+            self._draft_off = f"off ({why})"
         self._want_compile = compile == "on" or (compile == "auto" and kind == "cuda")
         self._want_graphs = cuda_graphs and kind == "cuda"
         self._background = background_compile and kind == "cpu" and self._want_compile
@@ -240,6 +256,8 @@ class TorchEngine(Engine):
         )
         self._codec = codec
         self._vocab = _vocabulary(codec, loaded.args.vocab_size, self._eos)
+        # Before attach, which compiles the draft's step with the model's (in the background too).
+        self._drafter = self._load_draft(artifact_dir) if self._draft_scheme != "off" else None
         self.attach(loaded)
 
     def attach(self, loaded: LoadedModel) -> None:
@@ -266,8 +284,23 @@ class TorchEngine(Engine):
             )
         if self._background:
             self._compile_in_background(loaded, self._decode, torch.zeros_like(self._io.step))
+        elif self._want_compile and self._drafter is not None:
+            _compile_drafter(self._drafter, torch.zeros_like(self._io.step))
         if loaded.device.type == "cuda":
             torch.cuda.empty_cache()  # hand back what compiling and tuning left in the cache
+
+    def _load_draft(self, artifact_dir: Path) -> Drafter | None:
+        """The draft model of speculative decoding, or None where the model cannot have one (it
+        is stored in int4), with the reason kept for describe() and the journal."""
+        try:
+            draft = load_draft(
+                artifact_dir, device=self._device, max_context=self._max_context, slots=self._slots
+            )
+        except AgentError as exc:
+            self._draft_off = f"off ({exc.message})"
+            _log.warning("%s: no draft model: %s", artifact_dir.name, exc.message)
+            return None
+        return Drafter(draft)
 
     def _compile_in_background(self, loaded: LoadedModel, decode: _Decode, io: torch.Tensor) -> None:
         """Compile the CPU decode step on a thread of its own; `decode` takes it when it runs.
@@ -280,6 +313,9 @@ class TorchEngine(Engine):
         done = threading.Event()
         self._compiled = done
         decode.compile_note = "compiling in the background (eager steps until it is ready)"
+        drafter = self._drafter  # compiled after the model's step, on the same thread
+        if drafter is not None:
+            drafter.note = "eager (compiling in the background)"
         started = time.monotonic()
 
         def work() -> None:
@@ -291,13 +327,16 @@ class TorchEngine(Engine):
             took = f", ready after {time.monotonic() - started:.0f} s" if step is not None else ""
             decode.compile_note = note + took
             _log.info("%s: decode step compile %s", loaded.facts.name, decode.compile_note)
+            if drafter is not None:
+                _compile_drafter(drafter, io)
             done.set()
 
         threading.Thread(target=work, name="sits-compile", daemon=True).start()
 
     def wait_compiled(self, timeout_s: float | None = None) -> bool:
-        """Wait for a compile running in the background (see `background_compile`) to end, compiled
-        or fallen back to eager; True when none is running (any longer)."""
+        """Wait for a compile running in the background (see `background_compile`; the draft
+        model's too) to end, compiled or fallen back to eager; True when none is running (any
+        longer)."""
         return self._compiled.wait(timeout_s)
 
     def warmup(self) -> None:
@@ -313,6 +352,7 @@ class TorchEngine(Engine):
         """
         self._loaded = self._codec = self._template = self._vocab = None
         self._decode, self._io, self._state = _Decode(), None, []
+        self._drafter = None
         gc.collect()
         if self._device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -440,7 +480,7 @@ class TorchEngine(Engine):
         if donor is not None:
             loaded.model.copy_prefix(donor, slot, start)
         # What the slot held past `start` is overwritten from here on.
-        state.held = ids[:start]
+        state.held, state.ahead = ids[:start], []
         self._reused += start
         return state, ids, start
 
@@ -491,18 +531,57 @@ class TorchEngine(Engine):
         for s, state in zip(slots, states, strict=True):
             if state.last is None:
                 raise AgentError(f"slot {s} is not running", hint="prefill it first")
-            if len(state.held) >= loaded.model.max_len:
+            if state.ahead:
+                results[s] = state.ahead.pop(0)  # decided by a speculative round
+            elif len(state.held) >= loaded.model.max_len:
                 results[s] = AgentError(
                     f"slot {s} has filled its {loaded.model.max_len} cache positions",
                     hint="stop at the token budget (token_budget) or release the slot",
                 )
         live = [(s, state) for s, state in zip(slots, states, strict=True) if s not in results]
-        if live:
+        if len(live) == 1 and self._speculates(loaded, live[0][1]):
+            results.update(self._speculate(loaded, *live[0]))
+        elif live:
             results.update(self._advance(loaded, live))
         for s, state in zip(slots, states, strict=True):
             if isinstance(results[s], Exception):
                 state.last = state.sampler = None  # the sequence has ended
         return [results[s] for s in slots]
+
+    def _speculates(self, loaded: LoadedModel, state: _Slot) -> bool:
+        """Whether the lone running `state` steps speculatively: a draft is loaded, the sequence
+        is greedy with nothing processing its logits, and its cache has room for a round."""
+        sampler = state.sampler
+        return (
+            self._drafter is not None
+            and sampler is not None
+            and sampler.greedy
+            and sampler.processor is None
+            and len(state.held) + 1 < loaded.model.max_len
+        )
+
+    def _speculate(self, loaded: LoadedModel, slot: int, state: _Slot) -> dict[int, int | Exception]:
+        """One speculative round of `slot`: the draft proposes, one prefill pass of the model over
+        `last` and the proposals writes them into the cache and picks after each; the agreed run
+        and the model's next pick are the round's tokens. The first is returned, the others wait
+        in `ahead`; cache rows past the agreed run are overwritten by later rounds and hidden by
+        position meanwhile."""
+        assert self._drafter is not None and state.last is not None
+        start = len(state.held)
+        count = min(DRAFT_TOKENS, loaded.model.max_len - start - 1)
+        proposed = self._drafter.propose(slot, state.held, state.last, count)
+        if not proposed:  # the draft was unsure of its first token: a plain step
+            return self._advance(loaded, [(slot, state)])
+        ids = torch.tensor([[state.last, *proposed]], dtype=torch.long, device=loaded.device)
+        checked = loaded.model.prefill(ids, slot, start, all_logits=True)[0].argmax(dim=-1).tolist()
+        run = accepted_run(proposed, checked)
+        stats = self._drafter.stats
+        stats.rounds += 1
+        stats.proposed += len(proposed)
+        stats.accepted += len(run) - 1
+        state.held += [state.last, *run[:-1]]
+        state.last, state.ahead = run[-1], run[1:]
+        return {slot: run[0]}
 
     def _advance(self, loaded: LoadedModel, live: list[tuple[int, _Slot]]) -> dict[int, int | Exception]:
         """One decode step of the `live` slots: each one's `last` goes into its cache and its next
@@ -554,6 +633,7 @@ class TorchEngine(Engine):
         """End the sequence in `slot`; its cached prefix stays for the next prefill to reuse."""
         state = self._slot(slot)
         state.last = state.sampler = None
+        state.ahead = []
 
     def logprobs(self, slot: int) -> TokenLogprobs | None:
         """See Engine.logprobs."""
@@ -653,7 +733,17 @@ class TorchEngine(Engine):
                 "compile": self._decode.compile_note,
                 "fused_ops": self._decode.ops_note,
                 "prefix_tokens_reused": str(self._reused),
+                "draft": self._draft_note(),
             },
+        )
+
+    def _draft_note(self) -> str:
+        if self._drafter is None:
+            return self._draft_off
+        return (
+            f"{self._drafter.loaded.facts.quantization}, up to {DRAFT_TOKENS} proposals a round, "
+            f"{self._drafter.note}, "
+            f"for a lone greedy sequence: {self._drafter.stats.describe()}"
         )
 
     def _require(self) -> LoadedModel:
@@ -802,6 +892,20 @@ def _compile_step(loaded: LoadedModel, io: torch.Tensor) -> tuple[DecodeFn | Non
         if error is not None:
             return None, f"off (compile failed: {error})"
     return step, "on (decode step, inductor C++ wrapper)"
+
+
+def _compile_drafter(drafter: Drafter, io: torch.Tensor) -> None:
+    """Compile the draft model's decode step as the model's (`_compile_step`); where it fails
+    the draft decodes eager, and its note says why."""
+    try:
+        step, note = _compile_step(drafter.loaded, io)
+    except Exception as exc:  # anything unforeseen: the draft proposes from eager steps
+        step, note = None, f"off (compile failed: {_first_line(exc)})"
+    drafter.step = step  # before the note, as for the model's step
+    reason = note.removeprefix("off (").removesuffix(")")
+    drafter.note = "compiled" if step is not None else f"eager ({reason})"
+    if step is None:
+        _log.warning("%s: the draft model decodes eager: %s", drafter.loaded.facts.name, note)
 
 
 def _uncompile(layers: nn.ModuleList) -> None:
