@@ -140,7 +140,7 @@ def run_ours(
         engine.release(0)
         engine._state[0].held = []  # no prefix reuse: time the whole prefill
         if engine._drafter is not None:
-            engine._drafter.held[0] = []  # the draft's too
+            engine._drafter.held = []  # the draft's too
         start = time.perf_counter()
         stamps, pieces = [], []
         for event in engine.stream(prompt, params):

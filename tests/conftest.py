@@ -11,6 +11,7 @@ import pytest
 from deployer.build.demo_model import make_tiny_checkpoint, prepare_smollm2
 from deployer.core.kernel_cache import KERNEL_CACHE_VARIABLE, shared_kernel_cache
 from deployer.core.redact import redaction_scope
+from tests.checkpoints import hf_random_checkpoint
 
 # Our CPU kernel (engines/native.py) is built once per machine into the project's cache, not once
 # per agent store a test makes (an agent points the variable at its store only when it is unset).
@@ -38,6 +39,31 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same architecture as `tiny_model_dir`, other weights (seed 1): a 'v2'. Read-only."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model-b"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def varied_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """A seeded random transformers Llama whose wide initialisation (std 0.3) makes greedy
+    decoding wander over many tokens with clear margins (the trained-looking tiny checkpoint
+    repeats one token), so 128-token comparisons mean something."""
+    import json
+
+    from transformers import AutoConfig
+
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+    return hf_random_checkpoint(tmp_path_factory.mktemp("varied-model"), config, tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

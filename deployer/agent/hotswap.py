@@ -114,6 +114,13 @@ class ModelManager:
         slot = self._active
         return slot.info if slot else None
 
+    def active_status(self) -> EngineInfo | None:
+        """The serving model's description as its engine gives it now: what changes while it
+        serves (a background compile that ends, the draft's acceptance) shows; the rest equals
+        `active_info`."""
+        slot = self._active
+        return slot.describe() if slot else None
+
     def previous_info(self) -> EngineInfo | None:
         """The description of the model that served before the last swap (no longer loaded)."""
         slot = self._previous

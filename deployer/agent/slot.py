@@ -16,6 +16,7 @@ from pathlib import Path
 from deployer.agent.engines.base import Engine, EngineInfo
 from deployer.agent.notify import lifecycle_event
 from deployer.agent.scheduler import Scheduler
+from deployer.errors import AgentError
 
 __all__ = ["ModelSlot"]
 
@@ -34,6 +35,13 @@ class ModelSlot:
         self._leases = 0
         self._retired = False
         self.unloaded = threading.Event()
+
+    def describe(self) -> EngineInfo:
+        """`info` as the engine gives it now; `info` itself once the engine cannot say (unloaded)."""
+        try:
+            return dataclasses.replace(self.engine.describe(), version=self.version)
+        except AgentError:
+            return self.info
 
     def acquire(self) -> bool:
         """Take a lease; False once the slot is retired."""

@@ -18,8 +18,7 @@ from deployer.build.artifact import load_state_dict
 from deployer.build.demo_model import make_tiny_checkpoint
 from deployer.build.pipeline import build_artifact
 from deployer.build.spec import BuildRequest, QuantSpec
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+from tests.checkpoints import TOKENIZER_FILES, hf_random_checkpoint
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -68,22 +67,11 @@ def tiny_engine(tiny_model_dir: Path) -> TorchEngine:
     return _engine_on(tiny_model_dir)
 
 
-def _hf_checkpoint(dest: Path, config: object, tokenizer_dir: Path, seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(dest, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, dest / name)
-    return dest
-
-
 @pytest.fixture
 def hf_checkpoint() -> Callable[..., Path]:
     """hf_checkpoint(dest, config, tokenizer_dir): save a random transformers model of `config`
     with the tiny tokenizer."""
-    return _hf_checkpoint
+    return hf_random_checkpoint
 
 
 def _engine_on(directory: Path, **kwargs: object) -> TorchEngine:
@@ -96,31 +84,6 @@ def _engine_on(directory: Path, **kwargs: object) -> TorchEngine:
 def engine_on() -> Callable[..., TorchEngine]:
     """engine_on(dir, **kwargs): a loaded TorchEngine (fp32, 256 positions unless told otherwise)."""
     return _engine_on
-
-
-@pytest.fixture(scope="session")
-def varied_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    """A seeded random transformers Llama whose wide initialisation (std 0.3) makes greedy
-    decoding wander over many tokens with clear margins (the trained-looking tiny checkpoint
-    repeats one token), so 128-token comparisons mean something."""
-    import json
-
-    from transformers import AutoConfig
-
-    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-    )
-    return _hf_checkpoint(tmp_path_factory.mktemp("varied-model"), config, tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

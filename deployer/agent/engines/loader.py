@@ -190,9 +190,9 @@ def load_model(
     )
 
 
-def load_draft(directory: Path, *, device: str, max_context: int, slots: int) -> LoadedModel:
+def load_draft(directory: Path, *, device: str, max_context: int) -> LoadedModel:
     """An int4 (group DRAFT_GROUP) copy of the model in `directory`, quantized here from its
-    stored weights, with its own KV cache of `slots` x `max_context`: the draft model that
+    stored weights, with a KV cache of one sequence of `max_context` positions: the draft model that
     proposes tokens for the engine's speculative decoding. Its quality changes only how many of
     them are accepted, never the text, so a plain min..max quantization serves.
 
@@ -231,7 +231,7 @@ def load_draft(directory: Path, *, device: str, max_context: int, slots: int) ->
         device=device,
         dtype="auto",
         max_context=max_context,
-        slots=slots,
+        slots=1,
         quantize_head=True,
     )
 

@@ -54,46 +54,41 @@ class DraftStats:
 
 @dataclass
 class Drafter:
-    """The draft model and what each of its cache slots holds (`held`, as the engine's slots)."""
+    """The draft model and the tokens its cache holds (`held`). It drafts for one sequence at a
+    time, so its cache has one slot (`loader.load_draft(slots=1)`): a sequence of another slot
+    than the last one drafted for re-runs what the two do not share."""
 
     loaded: LoadedModel
     step: DecodeFn | None = None  # its compiled decode step (CPU), else its eager decode
     note: str = "eager"  # how it decodes, for /v1/models
-    held: list[list[int]] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)
     stats: DraftStats = field(default_factory=DraftStats)
 
-    def __post_init__(self) -> None:
-        self.held = [[] for _ in range(self.loaded.model.slots)]
-
-    def propose(self, slot: int, held: Sequence[int], last: int, count: int) -> list[int]:
-        """The draft's greedy tokens after `held` + [last] in `slot`: `count` at most, up to the
-        first it gives less than DRAFT_P_MIN probability.
+    def propose(self, held: Sequence[int], last: int, count: int) -> list[int]:
+        """The draft's greedy tokens after `held` + [last]: `count` at most, up to the first it
+        gives less than DRAFT_P_MIN probability.
 
         The draft's cache catches up first with whatever of `held` it lacks (the prompt, steps the
         engine ran batched without it), from the longest prefix it already holds.
         """
-        model = self.loaded.model
-        mine = self.held[slot]
-        common = common_prefix(mine, held)
-        device = self.loaded.device
+        model, device = self.loaded.model, self.loaded.device
+        common = common_prefix(self.held, held)
         if common < len(held):
-            model.prefill(torch.tensor([list(held[common:])], dtype=torch.long, device=device), slot, common)
-        # Rows below `slot` take part at the scratch position, as in the engine's own steps.
-        tokens = torch.zeros(slot + 1, dtype=torch.long, device=device)
-        positions = torch.full((slot + 1,), model.scratch_position, dtype=torch.long, device=device)
+            model.prefill(torch.tensor([list(held[common:])], dtype=torch.long, device=device), 0, common)
+        tokens = torch.zeros(1, dtype=torch.long, device=device)
+        positions = torch.zeros(1, dtype=torch.long, device=device)
         step = self.step or model.decode
         proposed: list[int] = []
         fed = [last]
         for i in range(count):
-            tokens[slot], positions[slot] = fed[-1], len(held) + i
-            logits = step(tokens, positions, len(held) + i + 1)
-            best, token = logits[slot].softmax(dim=-1).max(dim=-1)
+            tokens[0], positions[0] = fed[-1], len(held) + i
+            best, token = step(tokens, positions, len(held) + i + 1)[0].softmax(dim=-1).max(dim=-1)
             if float(best) < DRAFT_P_MIN:
                 break
             proposed.append(int(token))
             if i + 1 < count:
                 fed.append(proposed[-1])
-        self.held[slot] = [*held, *fed]
+        self.held = [*held, *fed]
         return proposed
 
 

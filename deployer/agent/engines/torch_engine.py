@@ -293,9 +293,7 @@ class TorchEngine(Engine):
         """The draft model of speculative decoding, or None where the model cannot have one (it
         is stored in int4), with the reason kept for describe() and the journal."""
         try:
-            draft = load_draft(
-                artifact_dir, device=self._device, max_context=self._max_context, slots=self._slots
-            )
+            draft = load_draft(artifact_dir, device=self._device, max_context=self._max_context)
         except AgentError as exc:
             self._draft_off = f"off ({exc.message})"
             _log.warning("%s: no draft model: %s", artifact_dir.name, exc.message)
@@ -569,7 +567,7 @@ class TorchEngine(Engine):
         assert self._drafter is not None and state.last is not None
         start = len(state.held)
         count = min(DRAFT_TOKENS, loaded.model.max_len - start - 1)
-        proposed = self._drafter.propose(slot, state.held, state.last, count)
+        proposed = self._drafter.propose(state.held, state.last, count)
         if not proposed:  # the draft was unsure of its first token: a plain step
             return self._advance(loaded, [(slot, state)])
         ids = torch.tensor([[state.last, *proposed]], dtype=torch.long, device=loaded.device)

@@ -265,7 +265,7 @@ def info_routes(server: AgentApp) -> list[Route]:
         return [
             _model_entry(info, status)
             for info, status in (
-                (server.manager.active_info(), "active"),
+                (server.manager.active_status(), "active"),
                 (server.manager.previous_info(), "previous"),
             )
             if info is not None
