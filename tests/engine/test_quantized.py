@@ -196,6 +196,23 @@ def _fake_timer(times: dict[tuple[type, int], list[float]]):
     return timer
 
 
+def test_a_compiled_graph_keeps_onednn_linear_as_the_eager_layer_runs_it():
+    torch.manual_seed(0)
+    layer = OneDnnLinear(torch.randn(48, 64), torch.randn(48))
+    graphs = []
+
+    def record(gm, example_inputs):  # what dynamo hands a backend such as inductor
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        compiled = torch.compile(layer, backend=record, fullgraph=True)(x)
+        eager = layer(x)
+    assert "sits.onednn_linear" in graphs[0]  # not F.linear (MKL), which is slower on some CPUs
+    assert torch.equal(compiled, eager)
+
+
 def test_float_kernels_are_chosen_per_shape_by_their_timings():
     torch.manual_seed(0)
     layers = {
