@@ -1,8 +1,9 @@
 """How much memory the model needs on a device at its quantization (an estimate, for validation).
 
 weights (parameters x bytes per parameter of each module's scheme, int4 with its per-group scale
-and zero point) + KV cache (max_concurrent x max_tokens) + the engine's own overhead, with the
-weights counted twice when new and old models are held side by side during a swap.
+and zero point) + KV cache (max_concurrent x max_tokens) + the engine's own overhead + the torch
+engine's int4 draft where agent.draft asks for one, with the weights (and the draft) counted twice
+when new and old models are held side by side during a swap.
 The shape comes from the source's config.json; the builtin demo model's shape is known here.
 """
 
@@ -87,11 +88,12 @@ class MemoryEstimate:
     kv_cache: int
     engine: int
     weight_copies: int
+    draft: int = 0  # the torch engine's int4 draft model (agent.draft), with its one-sequence cache
 
     @property
     def total(self) -> int:
-        """Everything, with the weights counted once per copy held during a swap."""
-        return self.weights * self.weight_copies + self.kv_cache + self.engine
+        """Everything, with the weights and the draft counted once per copy held during a swap."""
+        return (self.weights + self.draft) * self.weight_copies + self.kv_cache + self.engine
 
 
 def weight_bytes(shape: ModelShape, quantization: Quantization) -> int:
@@ -128,4 +130,13 @@ def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -
         kv_cache=kv_per_token * agent.max_tokens * agent.max_concurrent,
         engine=ENGINE_OVERHEAD[agent.engine],
         weight_copies=2 if agent.swap_policy == "side-by-side" else 1,
+        draft=draft_bytes(shape, kv_per_token * agent.max_tokens) if agent.draft != "off" else 0,
     )
+
+
+def draft_bytes(shape: ModelShape, kv_cache: int) -> int:
+    """The int4 draft the torch engine makes at load (loader.load_draft): its projections in
+    int4-g32, an int8 head, the embedding in bf16 and `kv_cache` bytes for its one sequence."""
+    projections = shape.layers * (shape.attention_params + shape.mlp_params) * (0.5 + 3 / 32)
+    embedding = shape.vocab * shape.hidden
+    return int(projections + embedding * (2 + 1) + kv_cache)

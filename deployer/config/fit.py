@@ -118,7 +118,8 @@ def model_fit_findings(
 
 def _breakdown(estimate: MemoryEstimate) -> str:
     copies = f" x{estimate.weight_copies} for a side-by-side swap" if estimate.weight_copies > 1 else ""
+    draft = f", int4 draft {format_bytes(estimate.draft)}" if estimate.draft else ""
     return (
         f"weights {format_bytes(estimate.weights)}{copies}, KV cache "
-        f"{format_bytes(estimate.kv_cache)}, runtime {format_bytes(estimate.engine)}"
+        f"{format_bytes(estimate.kv_cache)}, runtime {format_bytes(estimate.engine)}{draft}"
     )

@@ -400,3 +400,20 @@ def test_executable_hook_passes(write_config, tmp_path):
     path = write_config(append="hooks:\n  pre-deploy: hook.sh\n")
     assert _errors(validate_file(path, environ={})) == []
     assert load_config(path, environ={}).hooks.pre_deploy.path == "hook.sh"
+
+
+def test_the_memory_estimate_counts_the_draft(write_config):
+    from deployer.config.estimate import SMOLLM2_SHAPE, draft_bytes, estimate_memory
+
+    config = load_config(write_config(append="agent:\n  draft: int4\n"), environ={})
+    with_draft = estimate_memory(SMOLLM2_SHAPE, config.model, config.agent)
+    without = estimate_memory(SMOLLM2_SHAPE, config.model, config.agent.model_copy(update={"draft": "off"}))
+    # SmolLM2's int4 projections, an int8 head, a bf16 embedding and one sequence's fp32 cache.
+    added = with_draft.total - without.total
+    assert 150 * 2**20 < added == draft_bytes(SMOLLM2_SHAPE, 46080 * 512) < 200 * 2**20
+    between = (with_draft.total + without.total) // 2 // 2**20
+    fits = write_config(replace=(("memory: 4Gi", f"memory: {between}Mi"),))
+    assert not [f for f in validate_file(fits, {}) if f.is_error]
+    tight = write_config(replace=(("memory: 4Gi", f"memory: {between}Mi"),), append="agent:\n  draft: int4\n")
+    [finding] = [str(f) for f in validate_file(tight, {}) if f.is_error]
+    assert "profiles.small.memory" in finding and "int4 draft" in finding
