@@ -25,7 +25,7 @@ from deployer.agent.engines.loader import LoadedModel
 # Tokens the draft proposes per round at most, and the probability below which it stops
 # proposing (llama.cpp's --draft-max and --draft-p-min): an unsure proposal is seldom accepted,
 # and its draft step is lost. A sweep on SmolLM2 fp32 with its int4 draft (2 threads of the
-# 2-core Xeon, compiled, 64 tokens, best of 3; plain compiled steps 19.6 tok/s) gave 1.52-1.61x
+# 2-core AMD EPYC, compiled, 64 tokens, best of 3; plain compiled steps 19.6 tok/s) gave 1.52-1.61x
 # plain steps at 4-6 proposals with no threshold, 1.45-1.72x at 0.3, 1.19-1.41x at 0.5, and
 # 1.11-1.22x at 0.7 (most rounds then propose nothing); 5 and 0.3 gave 1.71x.
 DRAFT_TOKENS = 5
@@ -55,7 +55,7 @@ class DraftStats:
 @dataclass
 class Drafter:
     """The draft model and the tokens its cache holds (`held`). It drafts for one sequence at a
-    time, so its cache has one slot (`loader.load_draft(slots=1)`): a sequence of another slot
+    time, so its cache has one slot (`loader.load_draft`): a sequence of another slot
     than the last one drafted for re-runs what the two do not share."""
 
     loaded: LoadedModel
