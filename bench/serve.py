@@ -147,7 +147,7 @@ class Server:
         # Keep reading its output: a full pipe would block the server on its next log line.
         threading.Thread(target=self.process.stdout.read, daemon=True).start()
         self._await_health()
-        self.model = self._model_id()
+        self.model = self.first_model()["id"]
 
     def _read_port(self, port_from: str) -> int:
         for line in self.process.stdout:
@@ -175,24 +175,15 @@ class Server:
             time.sleep(0.2)
         raise SystemExit(f"{self.name} never became healthy")
 
-    def _model_id(self) -> str:
-        """The name requests must give: the first model /v1/models lists (the agent refuses others)."""
+    def first_model(self) -> dict:
+        """The first model /v1/models lists: its id is the name requests must give (the agent
+        refuses others), its `extra` how our agent's engine runs it."""
         conn = HTTPConnection("127.0.0.1", self.port, timeout=60)
         try:
             conn.request("GET", "/v1/models")
-            return json.loads(conn.getresponse().read())["data"][0]["id"]
+            return json.loads(conn.getresponse().read())["data"][0]
         finally:
             conn.close()
-
-    def describe_draft(self) -> str:
-        """What /v1/models says of the torch engine's draft (speculative decoding)."""
-        conn = HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            conn.request("GET", "/v1/models")
-            model = json.loads(conn.getresponse().read())["data"][0]
-        finally:
-            conn.close()
-        return str(model.get("extra", {}).get("draft", "-"))
 
     def rss_mb(self) -> float:
         """VmRSS of the server process, in MB."""
@@ -439,7 +430,7 @@ def serve_draft(requests: int, tokens: int) -> None:
         try:
             for clients in CLIENTS:
                 rows.append(measure(server, clients, requests, tokens))
-            print(f"{name}: {server.describe_draft()}", flush=True)
+            print(f"{name}: {server.first_model().get('extra', {}).get('draft', '-')}", flush=True)
         finally:
             server.stop()
     load = os.getloadavg()

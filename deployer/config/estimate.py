@@ -112,10 +112,14 @@ def weight_bytes(shape: ModelShape, quantization: Quantization) -> int:
 def _bytes_per_param(quantization: Quantization, module: str) -> float:
     scheme, group = quantization.scheme_for(module)
     if scheme == "int4":
-        return 0.5 + 3 / group  # two values a byte, plus an fp16 scale and a u8 zero per group
+        return _int4_bytes(group)
     if scheme == "int8":
         return 1.0
     return _FLOAT_BYTES[scheme]
+
+
+def _int4_bytes(group: int) -> float:
+    return 0.5 + 3 / group  # two values a byte, plus an fp16 scale and a u8 zero per group
 
 
 def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -> MemoryEstimate:
@@ -137,6 +141,6 @@ def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -
 def draft_bytes(shape: ModelShape, kv_cache: int) -> int:
     """The int4 draft the torch engine makes at load (loader.load_draft): its projections in
     int4-g32, an int8 head, the embedding in bf16 and `kv_cache` bytes for its one sequence."""
-    projections = shape.layers * (shape.attention_params + shape.mlp_params) * (0.5 + 3 / 32)
+    projections = shape.layers * (shape.attention_params + shape.mlp_params) * _int4_bytes(32)
     embedding = shape.vocab * shape.hidden
     return int(projections + embedding * (2 + 1) + kv_cache)

@@ -102,7 +102,7 @@ def test_at_the_end_of_the_cache_rounds_shrink_and_a_full_cache_is_an_error(vari
     assert "filled its 40 cache positions" in str(results[-1])
 
 
-def test_a_compiled_draft_proposes_what_the_eager_one_does(varied_model_dir, plain, engine_on):
+def test_with_compiled_steps_and_draft_the_tokens_stay_the_models(varied_model_dir, plain, engine_on):
     compiled = engine_on(varied_model_dir, slots=2, compile="on", draft="int4")
     assert compiled._drafter.step is not None
     assert "compiled" in compiled.describe().extra["draft"]

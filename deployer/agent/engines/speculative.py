@@ -46,7 +46,7 @@ class DraftStats:
         """A line for /v1/models: the acceptance and the tokens a round yields."""
         if not self.rounds:
             return "no rounds yet"
-        rate = self.accepted / max(self.proposed, 1)
+        rate = self.accepted / self.proposed  # a round proposes at least one token
         per_round = (self.accepted + self.rounds) / self.rounds
         accepted = f"{self.accepted} of {self.proposed} proposals accepted ({rate:.0%})"
         return f"{accepted}, {per_round:.2f} tokens a round"
