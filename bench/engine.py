@@ -125,8 +125,8 @@ def run_ours(
     path: Path, dtype: str, device: str, repeats: int, compile_: str = "auto", draft: str = "off"
 ) -> dict:
     """Load our engine, then time first token and decode over `repeats` runs."""
-    from deployer.agent.engines.base import ChatMessage, SamplingParams
-    from deployer.agent.engines.torch_engine import TorchEngine
+    from deployer.agent.engines.torch.engine import TorchEngine
+    from deployer.agent.types import ChatMessage, SamplingParams
 
     started = time.perf_counter()
     engine = TorchEngine(device=device, dtype=dtype, max_context=512, compile=compile_, draft=draft)

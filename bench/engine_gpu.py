@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from deployer.agent.engines.base import common_prefix
-from deployer.agent.engines.torch_engine import TorchEngine
+from deployer.agent.engines.torch.engine import TorchEngine
 
 NEW_TOKENS = 128
 PROMPT_TOKENS = 32
@@ -209,8 +209,8 @@ def _tuning_runs() -> int:
 def gpu_worker(shape: str, scheme: str, repeats: int, device: str = "cuda") -> dict:
     """One row: build the random model, run our engine, the eager one, then the reference."""
     from bench import gptfast_ref
-    from deployer.agent.engines.base import SamplingParams
-    from deployer.agent.engines.loader import ArtifactFacts, MemoryWeights, build_model
+    from deployer.agent.engines.torch.loader import ArtifactFacts, MemoryWeights, build_model
+    from deployer.agent.types import SamplingParams
 
     config = SHAPES[shape]
     tensors, modules = random_checkpoint(config, scheme, device)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deployer.agent.engines.llama import MLP, DecoderLayer, RMSNorm, rope_tables
-from deployer.agent.engines.loader import LoadedModel
+from deployer.agent.engines.torch.loader import LoadedModel
+from deployer.agent.engines.torch.model import MLP, DecoderLayer, RMSNorm, rope_tables
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

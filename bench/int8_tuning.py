@@ -1,6 +1,6 @@
 """Which block shapes each way of timing picks for the Triton int8 kernel (GPU only).
 
-The autotuner of `deployer/agent/engines/triton_int8.py` times every config after an L2 flush.
+The autotuner of `deployer/agent/engines/torch/triton_int8.py` times every config after an L2 flush.
 A decode step streams 30 layers of weights, so what counts is a config's cold cost: here each
 config runs in a CUDA graph over enough weight copies to fill three L2s, and each timing method
 is scored by the cold cost of the config it picks, against the best (1.00x). Shapes: the fused
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deployer.agent.engines import triton_int8
+from deployer.agent.engines.torch import triton_int8
 
 # (N, K) of the qkv, o, gate+up and down projections, as the loader fuses them.
 SHAPES = {

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from bench.engine_gpu import SHAPES
-from deployer.agent.engines.qlinear import (
+from deployer.agent.engines.torch.qlinear import (
     FloatLinear,
     Int4PackLinear,
     Int8PackLinear,

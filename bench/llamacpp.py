@@ -70,7 +70,7 @@ def artifacts(scheme: str) -> tuple[Path, Path]:
 def prompt_text(gguf_dir: Path) -> str:
     """The chat prompt as the GGUF's own template renders it (what the agent sends llama.cpp)."""
     from deployer.agent.chat import ChatTemplate
-    from deployer.agent.engines.base import ChatMessage
+    from deployer.agent.types import ChatMessage
     from deployer.core.gguf_io import GGUF_FILE, read_gguf_header
 
     header = read_gguf_header(gguf_dir / GGUF_FILE)

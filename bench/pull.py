@@ -34,8 +34,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from deployer.agent.poll import Channel
-from deployer.agent.pull_fetch import PullFetcher
+from deployer.agent.ota.fetch import PullFetcher
+from deployer.agent.ota.poll import Channel
 from deployer.build.demo_model import make_tiny_checkpoint
 from tests.pull.nginx import Nginx, start_nginx, stop_nginx
 from tests.pull.project import make_project

@@ -1,7 +1,7 @@
 """The cost of constrained decoding: decode time per token with and without a JSON schema (and
 with a forced tool call), on the real SmolLM2-135M-Instruct, both engines, batch 1, greedy.
 
-The grammars are the ones the API builds (deployer.agent.http.constraints), applied by the
+The grammars are the ones the API builds (deployer.agent.openai.constraints), applied by the
 engines' shared logit processing (llguidance masks). Each constrained run alternates with a plain
 run on the same prompt and each figure is the best of `--repeats` (the machine is shared; a slow
 run measures the neighbours), after a warm-up run that also compiles the grammar. The last column
@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from deployer.agent.engines import make_engine  # noqa: E402 (after the path)
-from deployer.agent.engines.base import ChatMessage, SamplingParams  # noqa: E402
 from deployer.agent.engines.logits import TokenProcessor  # noqa: E402
-from deployer.agent.http.constraints import grammar_for  # noqa: E402
-from deployer.agent.http.openai_schemas import ChatCompletionRequest, parse_request  # noqa: E402
+from deployer.agent.openai.constraints import grammar_for  # noqa: E402
+from deployer.agent.openai.schemas import ChatCompletionRequest, parse_request  # noqa: E402
+from deployer.agent.types import ChatMessage, SamplingParams  # noqa: E402
 from deployer.build.demo_model import prepare_smollm2, smollm2_gguf_path  # noqa: E402
 from deployer.build.gguf_writer import GGUF_NAME  # noqa: E402
 

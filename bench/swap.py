@@ -38,7 +38,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from deployer.agent.store import DeviceStore  # noqa: E402 - after the path set-up above
+from deployer.agent.ota.store import DeviceStore  # noqa: E402 - after the path set-up above
 from deployer.demo.ports import PortReservation  # noqa: E402
 
 SERVE = (

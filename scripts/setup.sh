@@ -92,12 +92,12 @@ prepare_model() {
     "$VENV/bin/python" -m deployer.build.demo_model
 }
 
-# Our AVX2 kernels for int4/int8/fp32 torch layers (deployer/agent/engines/native.py), compiled
+# Our AVX2 kernels for int4/int8/fp32 torch layers (deployer/agent/engines/torch/native.py), compiled
 # once per torch version into ~/.cache/sits-deployer/kernels (about 35 s on 2 cores; then instant),
 # on any CPU with AVX2: the tests run them even where the layers keep torch's (AVX-512).
 prepare_kernels() {
     log "building the agent's CPU kernels (cached after the first run)"
-    "$VENV/bin/python" -m deployer.agent.engines.native
+    "$VENV/bin/python" -m deployer.agent.engines.torch.native
 }
 
 log "checking Debian packages, the virtual environment and the demo model (each step once)"

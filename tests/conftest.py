@@ -13,7 +13,7 @@ from deployer.core.kernel_cache import KERNEL_CACHE_VARIABLE, shared_kernel_cach
 from deployer.core.redact import redaction_scope
 from tests.checkpoints import hf_random_checkpoint
 
-# Our CPU kernel (engines/native.py) is built once per machine into the project's cache, not once
+# Our CPU kernel (engines/torch/native.py) is built once per machine into the project's cache, not once
 # per agent store a test makes (an agent points the variable at its store only when it is unset).
 os.environ.setdefault(KERNEL_CACHE_VARIABLE, str(shared_kernel_cache()))
 

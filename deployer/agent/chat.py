@@ -31,7 +31,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from deployer.agent.engines.base import ChatMessage, ToolCall
+from deployer.agent.types import ChatMessage, ToolCall
 from deployer.errors import AgentError, FormatError
 
 TOOL_CALL_OPEN = "<tool_call>"

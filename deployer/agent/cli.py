@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 import click
 
 from deployer import __version__
+from deployer.agent.ota.store import DeviceStore
+from deployer.agent.ota.updater import Reloader, ReloadOutcome, Updater
 from deployer.agent.settings import DEFAULT_SETTINGS_PATH, AgentSettings, load_settings
-from deployer.agent.store import DeviceStore
-from deployer.agent.updater import Reloader, ReloadOutcome, Updater
 from deployer.core.clikit import emit_json, examples, output_option, plain_error, verbosity
 from deployer.core.redact import redacting_stdio
 from deployer.errors import AgentError, SitsError
@@ -270,7 +270,7 @@ def status(settings: AgentSettings, output: str) -> None:
 @device_options
 def poll(settings: AgentSettings, force: bool, output: str) -> None:
     """Check the channel in etc/sits/pull.yaml and install a newer release (the timer runs this)."""
-    from deployer.agent.poll import Poller, load_pull_settings  # tuf and requests load only here
+    from deployer.agent.ota.poll import Poller, load_pull_settings  # tuf and requests load only here
 
     store = DeviceStore(settings.root)
     outcome = Poller(store, _updater(settings), load_pull_settings(settings.root)).poll(force=force)
@@ -313,7 +313,7 @@ def _pull_state(store: DeviceStore) -> dict[str, Any] | None:
     path = store.base / "pull" / "poll-state.json"
     if not path.exists():
         return None
-    from deployer.agent.poll import PollState
+    from deployer.agent.ota.poll import PollState
 
     try:
         return PollState.model_validate_json(path.read_bytes()).model_dump()

@@ -82,7 +82,7 @@ def run_demo(options: DemoOptions) -> None:
     """Run every step; raise SitsError naming the step that failed (AgentError, before any step,
     when the llama.cpp engine is asked for and llama-cpp-python is not installed)."""
     if options.engine == "llama.cpp":
-        from deployer.agent.engines.llamacpp_engine import require_llama_cpp
+        from deployer.agent.engines.llamacpp.engine import require_llama_cpp
 
         require_llama_cpp()  # the agents would only fail to load their model, later and less clearly
     base = options.workdir or Path(tempfile.mkdtemp(prefix="sits-demo-"))

@@ -269,7 +269,7 @@ def _controller_kernels() -> tuple[Path | None, str]:
     """(the library built here, "") or (None, why not); once per run, not once per device."""
     # A program of the agent's, as the local transport runs agents: the controller imports none.
     done = subprocess.run(
-        [sys.executable, "-m", "deployer.agent.engines.native", "--library"],
+        [sys.executable, "-m", "deployer.agent.engines.torch.native", "--library"],
         capture_output=True,
         text=True,
         timeout=900,

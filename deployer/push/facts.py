@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 AGENT_CONFIG = "/etc/sits/agent.yaml"
-PULL_CONFIG = "/etc/sits/pull.yaml"  # pull mode: what `sits-agent poll` reads (deployer.agent.poll)
+PULL_CONFIG = "/etc/sits/pull.yaml"  # pull mode: what `sits-agent poll` reads (deployer.agent.ota.poll)
 PULL_ROOT = "/etc/sits/pull-root.json"
 FALLBACK_KEY_FILE = "/etc/sits/secrets/fallback-key"  # deployer.push.fallback_files writes it
 KEYS_DIR = "/etc/sits/keys"

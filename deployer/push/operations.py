@@ -58,7 +58,7 @@ CALLS = {
     "health-gate": "ready on the version, then every smoke prompt within the latency budget",
 }
 INSTALL_TIMEOUT_S = 900.0
-VERSIONS_DIR = f"{STORE_DIR}/versions"  # the versions the agent verified (deployer.agent.store)
+VERSIONS_DIR = f"{STORE_DIR}/versions"  # the versions the agent verified (deployer.agent.ota.store)
 DAEMON_RELOAD_TIMEOUT_S = 60.0
 REMOVE_TIMEOUT_S = 30.0
 

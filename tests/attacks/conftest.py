@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.agent_store.conftest import device, kit  # noqa: F401  (fixtures, used by name)
+from tests.agent.ota.conftest import device, kit  # noqa: F401  (fixtures, used by name)
 from tests.pull.conftest import built_store, project, sources  # noqa: F401  (fixtures, used by name)
 
 

@@ -20,7 +20,7 @@ import pytest
 import zstandard
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from deployer.agent.updater import Updater
+from deployer.agent.ota.updater import Updater
 from deployer.config.models import Config
 from deployer.core.patch_format import Codec
 from deployer.core.release import PatchRef, make_release

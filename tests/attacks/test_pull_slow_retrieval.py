@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from deployer.agent.pull_fetch import DeadlineExceeded
+from deployer.agent.ota.fetch import DeadlineExceeded
 from deployer.errors import FormatError, TransportError
 from tests.pull.project import Project, make_device
 from tests.pull.serving import chat, serve

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployer.agent.fallback.settings import FallbackSettings
+from deployer.agent.settings import FallbackSettings
 from deployer.config import load_config, validate_file
 from deployer.push.bootstrap import agent_settings, desired_files
 from deployer.push.facts import FALLBACK_KEY_FILE, DeviceSite

@@ -101,7 +101,7 @@ def test_a_device_without_an_index_gets_only_the_agent(hub: Lab, ssh_to, wheel, 
                 f"SITS_KERNEL_CACHE_DIR={KERNEL_DIR}",
                 site.python,
                 "-m",
-                "deployer.agent.engines.native",
+                "deployer.agent.engines.torch.native",
             ],
             timeout=300,
         )

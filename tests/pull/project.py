@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from deployer.agent.poll import Poller, PullSettings
-from deployer.agent.store import DeviceStore
-from deployer.agent.updater import Updater
+from deployer.agent.ota.poll import Poller, PullSettings
+from deployer.agent.ota.store import DeviceStore
+from deployer.agent.ota.updater import Updater
 from deployer.config import load_config
 from deployer.config.models import Config
 from deployer.pull.publish import PublishedChannel, publish

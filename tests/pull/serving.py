@@ -9,9 +9,9 @@ from http.client import HTTPConnection
 from deployer.agent.cli import http_reloader
 from deployer.agent.engines import make_engine
 from deployer.agent.http.server import AgentServer
-from deployer.agent.poll import Poller
+from deployer.agent.ota.poll import Poller
+from deployer.agent.ota.updater import Updater
 from deployer.agent.settings import AgentSettings, SmokePrompt
-from deployer.agent.updater import Updater
 
 
 def serve(device: Poller) -> tuple[AgentServer, Poller]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deployer.agent.pull_fetch import ByteBudgetExceeded
+from deployer.agent.ota.fetch import ByteBudgetExceeded
 from deployer.errors import TransportError
 from tests.pull.nginx import Nginx
 from tests.pull.project import Project, make_device

@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from deployer.agent.http.server import AgentServer
-from deployer.agent.poll import Poller
+from deployer.agent.ota.poll import Poller
 from tests.pull.nginx import Nginx
 from tests.pull.project import Project, make_device
 from tests.pull.serving import chat, serve

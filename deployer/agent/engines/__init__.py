@@ -31,7 +31,7 @@ def make_engine(
     """
     if name == "torch":
         # Imported here: torch takes seconds to import, and only the chosen engine should pay it.
-        from deployer.agent.engines.torch_engine import TorchEngine
+        from deployer.agent.engines.torch.engine import TorchEngine
 
         # In the agent a CPU compile runs in the background: it can take minutes, and the health
         # gate (readiness) should not wait for a speed-up while eager steps can serve.
@@ -60,7 +60,7 @@ def make_engine(
                 f"the llama.cpp engine here has no draft model: draft: {draft} is the torch engine's",
                 hint="set `draft: off` (or leave it out), or use `engine: torch`",
             )
-        from deployer.agent.engines.llamacpp_engine import LlamaCppEngine
+        from deployer.agent.engines.llamacpp.engine import LlamaCppEngine
 
         return LlamaCppEngine(max_context=context_length, threads=threads, slots=slots)
     raise AgentError(

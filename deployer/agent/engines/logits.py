@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
-from deployer.agent.engines.base import Logprob, SamplingParams, TokenLogprobs
+from deployer.agent.types import Logprob, SamplingParams, TokenLogprobs
 from deployer.errors import AgentError, GrammarError
 
 __all__ = ["TokenProcessor", "Vocabulary"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
-from deployer.agent.engines.base import TokenEvent, TokenLogprobs
+from deployer.agent.types import TokenEvent, TokenLogprobs
 
 REPLACEMENT = "\ufffd"
 

@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deployer.agent.http.openai_schemas import ApiError
 from deployer.agent.http.routes import AgentApp, endpoint, error_response, http_error, info_routes, read_json
+from deployer.agent.openai.schemas import ApiError
 from deployer.errors import SitsError
 
 __all__ = ["ReloadRequest", "build_admin"]

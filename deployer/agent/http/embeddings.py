@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deployer.agent.engines.base import EngineInfo
-from deployer.agent.hotswap import ModelManager
-from deployer.agent.http.generate import api_error
-from deployer.agent.http.openai_schemas import ApiError, EmbeddingRequest
+from deployer.agent.openai.schemas import ApiError, EmbeddingRequest
+from deployer.agent.runtime.hotswap import ModelManager
+from deployer.agent.serving.generate import api_error
+from deployer.agent.types import EngineInfo
 
 __all__ = ["Embedded", "embed", "embedding_body"]
 
@@ -44,14 +44,14 @@ async def embed(
     another model's name); ApiError for every failure."""
 
     try:
-        with manager.lease() as slot:
-            check(slot.info)
-            done = slot.scheduler.run_in_pieces(slot.engine.embed_pieces(texts))
+        with manager.lease() as served:
+            check(served.info)
+            done = served.scheduler.run_in_pieces(served.engine.embed_pieces(texts))
         # A cancelled wait (the client left) cancels the future: the rest of the work is dropped.
         vectors, tokens = await asyncio.wrap_future(done)
     except Exception as exc:
         raise api_error(exc) from exc
-    return Embedded(vectors, tokens, slot.info)
+    return Embedded(vectors, tokens, served.info)
 
 
 def embedding_body(request: EmbeddingRequest, done: Embedded, model: str) -> dict:

@@ -20,14 +20,14 @@ from prometheus_client import (
     generate_latest,
 )
 
+from deployer.agent.serving.timing import LATENCY_BUCKETS
+
 __all__ = ["CONTENT_TYPE", "AgentMetrics"]
 
 # No `_created` series beside every counter: noise on /metrics that nothing here reads.
 disable_created_metrics()
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-# Latency buckets in seconds, from a fast first token on a GPU to a long answer on a small CPU.
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Ignored request fields get a series each up to this many names (clients choose the names, so
 # they must not grow /metrics without bound); the rest count as "other".
 IGNORED_FIELD_NAMES = 64

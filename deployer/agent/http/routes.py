@@ -28,22 +28,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deployer.agent.engines.base import EngineInfo, SamplingParams, TokenEvent
-from deployer.agent.hotswap import ModelManager, SwapResult
 from deployer.agent.http.auth import KeyRing
-from deployer.agent.http.choices import Choice, Kind, envelope
-from deployer.agent.http.constraints import grammar_for
 from deployer.agent.http.embeddings import embed, embedding_body
-from deployer.agent.http.generate import (
-    Cancelled,
-    Generation,
-    Job,
-    Metered,
-    ServedBy,
-    TokenSource,
-)
 from deployer.agent.http.metrics import CONTENT_TYPE, AgentMetrics
-from deployer.agent.http.openai_schemas import (
+from deployer.agent.openai.choices import Choice, Kind, envelope
+from deployer.agent.openai.constraints import grammar_for
+from deployer.agent.openai.schemas import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,8 +43,18 @@ from deployer.agent.http.openai_schemas import (
     parse_request,
     usage,
 )
+from deployer.agent.ota.store import DeviceStore
+from deployer.agent.runtime.hotswap import ModelManager, SwapResult
+from deployer.agent.serving.generate import (
+    Cancelled,
+    Generation,
+    Job,
+    Metered,
+    ServedBy,
+    TokenSource,
+)
 from deployer.agent.settings import AgentSettings
-from deployer.agent.store import DeviceStore
+from deployer.agent.types import EngineInfo, SamplingParams, TokenEvent
 
 __all__ = [
     "AgentApp",

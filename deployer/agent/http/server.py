@@ -40,20 +40,20 @@ from pathlib import Path
 import uvicorn
 from starlette.types import ASGIApp
 
-from deployer.agent.compile_cache import use_store_caches
 from deployer.agent.engines.base import Engine
-from deployer.agent.fallback.source import FallbackSource
-from deployer.agent.hotswap import ModelManager, SwapResult
 from deployer.agent.http.admin import build_admin
 from deployer.agent.http.auth import KeyRing, load_keyring
-from deployer.agent.http.generate import SchedulerTokenSource, TokenSource
 from deployer.agent.http.metrics import AgentMetrics
 from deployer.agent.http.protocol import ConnectionLimits, own_uids, protocol_class
 from deployer.agent.http.routes import build_api
 from deployer.agent.notify import Notifier, Watchdog, configure_journal_logging, lifecycle_event
-from deployer.agent.scheduler import SchedulerCounts
+from deployer.agent.ota.store import DeviceStore
+from deployer.agent.runtime.compile_cache import use_store_caches
+from deployer.agent.runtime.hotswap import ModelManager, SwapResult
+from deployer.agent.runtime.scheduler import SchedulerCounts
+from deployer.agent.serving.fallback.source import FallbackSource
+from deployer.agent.serving.generate import SchedulerTokenSource, TokenSource
 from deployer.agent.settings import AgentSettings
-from deployer.agent.store import DeviceStore
 from deployer.errors import AgentError
 
 __all__ = ["AgentServer", "engine_factory_for", "run_server"]
