@@ -81,10 +81,13 @@ class ModelManager:
         settings: AgentSettings,
         on_swap: Callable[[SwapResult, str], None] | None = None,
         on_counts: Callable[[SchedulerCounts], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`on_counts(counts)` receives the running and waiting requests of every loaded model
-        (the serving one and one still draining) whenever they change, e.g. to set gauges."""
+        (the serving one and one still draining) whenever they change, e.g. to set gauges. `clock`
+        times the readiness deadline and the smoke prompts (tests pass a fake one)."""
         self._factory = engine_factory
+        self._clock = clock
         self._settings = settings
         self._on_swap = on_swap or (lambda result, reason: None)
         self._on_counts = on_counts or (lambda counts: None)
@@ -207,7 +210,7 @@ class ModelManager:
             self._await_unloaded(served)
 
     def _swap_side_by_side(self, artifact_dir: Path, version: str) -> SwapResult:
-        started = time.monotonic()
+        started = self._clock()
         # Memory holds at most two models: the one before the last swap must be gone first.
         self._await_unloaded(self._previous)
         old = self._active
@@ -223,7 +226,7 @@ class ModelManager:
         return self._result(True, version, served, old, "side-by-side", "done", "swapped", started, smoke_ms)
 
     def _swap_unload_first(self, artifact_dir: Path, version: str) -> SwapResult:
-        started = time.monotonic()
+        started = self._clock()
         old = self._active
         with self._state_lock:
             self._in_gap = True
@@ -269,7 +272,7 @@ class ModelManager:
         if old is None:
             return None
         try:
-            served, _ = self._prepare(old.artifact_dir, old.version, time.monotonic())
+            served, _ = self._prepare(old.artifact_dir, old.version, self._clock())
         except _SwapFailed as failed:
             lifecycle_event("restore-failed", version=old.version, reason=failed.reason)
             return None
@@ -319,7 +322,7 @@ class ModelManager:
             if isinstance(exc, _SwapFailed):
                 raise
             raise _SwapFailed(phase, f"{phase} failed: {type(exc).__name__}: {exc}") from exc
-        self._last_load_s = time.monotonic() - started
+        self._last_load_s = self._clock() - started
         return served, smoke_ms
 
     def _limits(self) -> SchedulerLimits:
@@ -332,7 +335,7 @@ class ModelManager:
         )
 
     def _check_deadline(self, started: float, phase: Phase) -> None:
-        elapsed = time.monotonic() - started
+        elapsed = self._clock() - started
         if elapsed > self._settings.readiness_timeout_s:
             raise _SwapFailed(
                 phase,
@@ -344,12 +347,12 @@ class ModelManager:
         budget = self._settings.latency_budget_ms
         times = []
         for smoke in self._settings.smoke_prompts:
-            t0 = time.monotonic()
+            t0 = self._clock()
             prompt = engine.chat_prompt([ChatMessage(role="user", content=smoke.prompt)])
             params = SamplingParams(max_tokens=smoke.max_tokens, temperature=0.0)
             with scheduler.submit(prompt, params) as generation:
                 text = "".join(event.text for event in generation)
-            elapsed_ms = (time.monotonic() - t0) * 1000
+            elapsed_ms = (self._clock() - t0) * 1000
             times.append(elapsed_ms)
             if elapsed_ms > budget:
                 raise _SwapFailed(
@@ -371,8 +374,8 @@ class ModelManager:
         available = _available_memory_bytes()
         return "side-by-side" if available is None or available >= need else "unload-first"
 
-    @staticmethod
     def _result(
+        self,
         ok: bool,
         version: str,
         active: ServedModel | None,
@@ -392,7 +395,7 @@ class ModelManager:
             policy=policy,
             phase=phase,
             reason=reason,
-            duration_s=time.monotonic() - started,
+            duration_s=self._clock() - started,
             smoke_ms=smoke_ms,
             restored=restored,
         )
