@@ -319,6 +319,8 @@ class ModelManager:
         except Exception as exc:
             # Any failure of a new model (including a crash in foreign code) must leave the old serving.
             scheduler.close(final=lambda: _quietly_unload(engine))
+            # Freed before anything loads next: unload-first restores the old model right after.
+            scheduler.join(self._settings.drain_timeout_s)
             if isinstance(exc, _SwapFailed):
                 raise
             raise _SwapFailed(phase, f"{phase} failed: {type(exc).__name__}: {exc}") from exc

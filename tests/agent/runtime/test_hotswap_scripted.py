@@ -184,13 +184,38 @@ def test_unload_first_restores_the_old_model_when_the_new_one_fails(engines, man
     result = _swap(m, V2, "v2")
     assert (result.ok, result.phase, result.restored, result.active_version) == (False, "load", True, "v1")
     assert restored.loaded_from == V1  # the old version's artifact, loaded again
-    assert [e for e in engines.log[2:] if e != ("new", "unload")] == [
+    assert engines.log[2:] == [
         ("old", "unload"),
         ("new", "load"),
+        ("new", "unload"),  # what the failed load left is freed before the old one comes back
         ("old again", "load"),
         ("old again", "warmup"),
     ]
     assert _answer(m) == ("v1", "old answer, reloaded")
+
+
+def test_unload_first_frees_a_failed_model_before_it_restores_the_old_one(engines, manager):
+    # Memory holds one model under unload-first: a new model that loaded fully and then failed its
+    # smoke test must be gone before the old one loads again. Its unload (on its engine thread)
+    # is held here: the swap waits for it. Passing never depends on timing; a restore that does
+    # not wait is seen within 0.1 s.
+    unloading = Gate()
+    engines.add("old")
+    engines.add("new", replies={"Hi": Reply(text="nonsense")}, holds={"unload": unloading})
+    engines.add("old again")
+    m = manager(swap_policy="unload-first", smoke_prompts=(SmokePrompt(prompt="Hi", expect="ok"),))
+    assert _swap(m, V1, "v1").ok
+    results: list[SwapResult] = []
+    swap = threading.Thread(target=lambda: results.append(_swap(m, V2, "v2")))
+    swap.start()
+    unloading.wait_reached()
+    swap.join(0.1)
+    assert swap.is_alive() and len(engines.made) == 2  # the restore waits for the failed one's unload
+    unloading.open()
+    swap.join(10)
+    (result,) = results
+    assert (result.ok, result.phase, result.restored, result.active_version) == (False, "smoke", True, "v1")
+    assert engines.log[-3:] == [("new", "unload"), ("old again", "load"), ("old again", "warmup")]
 
 
 def test_unload_first_with_nothing_to_restore_leaves_no_model(engines, manager):
