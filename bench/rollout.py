@@ -42,7 +42,7 @@ from deployer.build.pipeline import build_artifact
 from deployer.build.spec import BuildRequest, QuantSpec
 from deployer.core.hashing import sha256_file
 from deployer.core.release import PatchRef, make_release
-from deployer.push.bootstrap import INCOMING, build_wheel, install_agent, install_args, send_release
+from deployer.push.bootstrap import INCOMING, build_agent_wheel, install_agent, install_args, send_release
 from deployer.push.facts import AGENT_CONFIG, KEYS_DIR, VENV_PYTHON, DeviceSite
 from deployer.release.delta import create_patch
 from deployer.release.desired import ReleaseFiles
@@ -212,7 +212,7 @@ def main() -> None:
         work = Path(tmp)
         releases = Releases(work, _sources(work, args.model))
         v1 = releases.release(releases.v1)
-        wheel = build_wheel(REPO, work / "wheel")
+        wheel = build_agent_wheel(REPO, work / "wheel")
         settings = work / "agent.yaml"  # every field has a default; the devices' root is /
         settings.write_text("root: /\n")
         lab = Lab(work / "lab", max(args.devices))

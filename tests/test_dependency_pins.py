@@ -1,5 +1,6 @@
-"""constraints.txt pins every dependency scripts/setup.sh installs, within pyproject.toml's ranges,
-and the virtual environment the tests run in holds exactly those versions."""
+"""constraints.txt pins every dependency scripts/setup.sh installs, within the ranges of
+pyproject.toml and agent/pyproject.toml, and the virtual environment the tests run in holds exactly
+those versions."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
-NOT_PINNED = {"llama-cpp-python"}  # our own build (scripts/llamacpp.sh), pinned there by version and patches
+# Our own builds: llama-cpp-python (scripts/llamacpp.sh, pinned there by version and patches) and the
+# agent's distribution (installed from the checkout, at the controller's own version).
+NOT_PINNED = {"llama-cpp-python", "sits-agent"}
+PROJECTS = (ROOT / "pyproject.toml", ROOT / "agent" / "pyproject.toml")
 
 
 def _pins() -> dict[str, str]:
@@ -24,11 +28,14 @@ def _pins() -> dict[str, str]:
 
 
 def _requirements() -> list[tuple[str, Requirement]]:
-    """(where, requirement) for the dependencies and every extra of pyproject.toml."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    found = [("dependencies", Requirement(line)) for line in project["dependencies"]]
-    for extra, lines in project["optional-dependencies"].items():
-        found += [(f"[{extra}]", Requirement(line)) for line in lines]
+    """(where, requirement) for the dependencies and every extra of both projects."""
+    found = []
+    for path in PROJECTS:
+        project = tomllib.loads(path.read_text())["project"]
+        where = path.relative_to(ROOT)
+        found += [(f"{where} dependencies", Requirement(line)) for line in project["dependencies"]]
+        for extra, lines in project["optional-dependencies"].items():
+            found += [(f"{where} [{extra}]", Requirement(line)) for line in lines]
     return found
 
 

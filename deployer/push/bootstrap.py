@@ -5,8 +5,10 @@
                       packages when its profile says `torch: system`), or, when the inventory
                       names another interpreter, that one; the controller's wheelhouse for the
                       device's platform (deployer.push.wheelhouse) minus the wheels the device
-                      already installed (by sha256), installed with `pip --no-index`; then our
-                      wheel (built once per controller run) with --no-deps
+                      already installed (by sha256), installed with `pip --no-index`; then the
+                      agent's own wheel, sits-agent (agent/pyproject.toml, built once per
+                      controller run), with --no-deps: the controller's distribution, sits-deployer,
+                      never reaches a device
     desired_files     what the controller keeps on the device, by device path: agent.yaml, the
                       trusted keys, the systemd units when the device runs systemd, and the
                       pull-mode files when deploy.yaml provisions it to poll (pull_provision);
@@ -62,11 +64,12 @@ from deployer.release.desired import ReleaseFiles
 from deployer.transport import Transport
 
 __all__ = [
+    "AGENT_PROJECT",
     "INCOMING",
     "LOG_FILE",
     "REMOVED_WHEN_UNSET",
     "agent_settings",
-    "build_wheel",
+    "build_agent_wheel",
     "desired_files",
     "ensure_serving",
     "install_agent",
@@ -81,6 +84,7 @@ __all__ = [
     "write_files",
 ]
 
+AGENT_PROJECT = "agent"  # sits-agent's project folder in the checkout
 INCOMING = "/var/lib/sits/incoming"  # uploads; not staging/, which the agent empties on each start
 LOG_FILE = "/var/log/sits-agent.log"
 PID_FILE = "/run/sits-agent.pid"
@@ -187,27 +191,30 @@ def write_files(site: DeviceSite, transport: Transport, files: dict[str, bytes])
 
 
 @functools.cache
-def build_wheel(project_dir: Path, out_dir: Path) -> Path:
-    """Build our wheel once (`pip wheel --no-deps`) into `out_dir`. Raises SitsError if pip fails."""
+def build_agent_wheel(project_dir: Path, out_dir: Path) -> Path:
+    """Build the agent's wheel (sits-agent, from the checkout `project_dir`'s agent/) once, with
+    `pip wheel --no-deps`, into `out_dir`. Raises SitsError if pip fails."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    source = project_dir / AGENT_PROJECT
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out_dir), str(project_dir)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out_dir), str(source)],
         capture_output=True,
         text=True,
         check=False,
     )
-    wheels = sorted(out_dir.glob(f"sits_deployer-{__version__}-*.whl"))
+    wheels = sorted(out_dir.glob(f"sits_agent-{__version__}-*.whl"))
     if done.returncode != 0 or not wheels:
         raise SitsError(
-            f"building the sits-deployer wheel from {project_dir} failed: {done.stderr.strip()[-400:]}",
-            hint="run `pip wheel --no-deps .` in the project to see why, or name an interpreter that "
-            "already has sits-deployer as the device's `python`",
+            f"building the sits-agent wheel from {source} failed: {done.stderr.strip()[-400:]}",
+            hint=f"run `pip wheel --no-deps {AGENT_PROJECT}` in the project to see why, or name an "
+            "interpreter that already has sits-agent as the device's `python`",
         )
     return wheels[-1]
 
 
 def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
-    """Install the agent from `wheel` and the wheelhouse of its `agent` extras; the device needs no index.
+    """Install the agent from its `wheel` (sits-agent) and the wheelhouse of its requirements and its
+    engine's extra; the device needs no index.
 
     Raises SitsError when the wheelhouse cannot be built, TransportError when a device step fails.
     """
@@ -234,7 +241,7 @@ def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
         f"{site.name}: pip install of the agent's {len(house.pins)} wheels",
         timeout_s=1800,
     )
-    # Our package is replaced even at the same version; its dependencies are the ones above.
+    # The agent is replaced even at the same version; its dependencies are the ones above.
     _run_detached(
         site,
         transport,

@@ -388,7 +388,7 @@ class Executor:
             if self.wheel is None:
                 raise AgentError(
                     f"{site.name}: the agent is missing or at another version and no wheel is available",
-                    hint="run from the source tree, or install sits-deployer in the device's python",
+                    hint="run from the source tree, or install sits-agent in the device's python",
                 )
             install_agent(site, transport, self.wheel())
         elif name == "prepare-service-user":

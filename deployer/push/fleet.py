@@ -24,7 +24,7 @@ from deployer.config.models import Config, Device
 from deployer.core.hashing import sha256_bytes
 from deployer.core.redact import redacted_json
 from deployer.errors import ConfigError, KeyFileError, SignatureError, SitsError
-from deployer.push.bootstrap import REMOVED_WHEN_UNSET, build_wheel, desired_files
+from deployer.push.bootstrap import AGENT_PROJECT, REMOVED_WHEN_UNSET, build_agent_wheel, desired_files
 from deployer.push.executor import Executor, OnPhase, ResultStatus, RolloutReport
 from deployer.push.facts import DeviceSite, controller_agent_version, gather_fleet
 from deployer.push.health import scrape_metrics
@@ -313,10 +313,10 @@ def apply_plan(
             raise refusal
         signed = releases(fleet, fp)
         wheel: Callable[[], Path] | None = None
-        if project_dir is not None and (project_dir / "pyproject.toml").is_file():
+        if project_dir is not None and (project_dir / AGENT_PROJECT / "pyproject.toml").is_file():
 
             def wheel() -> Path:
-                return build_wheel(project_dir, fleet.sits_dir / "wheels")
+                return build_agent_wheel(project_dir, fleet.sits_dir / "wheels")
 
         runner = executor(
             fleet.config,

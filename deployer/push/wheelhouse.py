@@ -1,8 +1,9 @@
 """The agent's wheels for one device platform, gathered on the controller so devices need no index.
 
-    agent_requirements  what a device installs besides our wheel: the `agent` extra of our wheel's
-                        own metadata plus the extra of the device's engine (`agent-torch` or
-                        `agent-llamacpp`); torch left out when the device brings its own
+    agent_requirements  what a device installs besides the agent's own wheel (sits-agent, built
+                        from agent/pyproject.toml): that wheel's requirements, read from its own
+                        metadata, plus the extra of the device's engine (`torch` or `llamacpp`);
+                        torch left out when the device brings its own
     PipTarget           a device platform (DevicePlatform, from the facts) as pip's --platform,
                         --python-version, --implementation and --abi options
     controller_pins     the version this controller runs of each distribution those requirements
@@ -74,28 +75,28 @@ _lock = threading.Lock()  # devices of one rollout share a wheelhouse: build it 
 
 
 def engine_extra(engine: str) -> str:
-    """Our extra that carries an agent engine: `agent-torch`, `agent-llamacpp`."""
-    return "agent-" + re.sub(r"[^a-z0-9]", "", engine.lower())
+    """sits-agent's extra that carries an engine: `torch`, `llamacpp`."""
+    return re.sub(r"[^a-z0-9]", "", engine.lower())
 
 
 def agent_requirements(wheel: Path, engine: str, *, system_torch: bool = False) -> tuple[str, ...]:
-    """The requirements of the `agent` extra and the engine's extra, read from `wheel`'s METADATA.
+    """The requirements of the agent's `wheel` (sits-agent) and of its engine's extra, read from the
+    wheel's METADATA.
 
     Read from the wheel that is sent, not from the controller's installed metadata, so the device
     gets what that very wheel declares. `system_torch` leaves torch out (the device has its own).
     Raises SitsError when the wheel declares no such extra.
     """
-    extras = ("agent", engine_extra(engine))
+    extra = engine_extra(engine)
     with zipfile.ZipFile(wheel) as zf:
         name = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
         if name is None:
             raise SitsError(f"{wheel} has no .dist-info/METADATA", hint="rebuild the wheel with `pip wheel`")
         metadata = HeaderParser().parsestr(zf.read(name).decode("utf-8"))
-    missing = [e for e in extras if e not in metadata.get_all("Provides-Extra", [])]
-    if missing:
+    if extra not in metadata.get_all("Provides-Extra", []):
         raise SitsError(
-            f"{wheel.name} declares no extra {', '.join(missing)}",
-            hint="agent.engine names an engine our pyproject.toml has no agent extra for",
+            f"{wheel.name} declares no extra {extra}",
+            hint="agent.engine names an engine agent/pyproject.toml has no extra for",
         )
     found = []
     for line in metadata.get_all("Requires-Dist", []):
@@ -103,7 +104,7 @@ def agent_requirements(wheel: Path, engine: str, *, system_torch: bool = False) 
             req = Requirement(line)
         except InvalidRequirement as exc:
             raise SitsError(f"{wheel.name}: bad Requires-Dist {line!r}: {exc}") from exc
-        if req.marker is None or not any(req.marker.evaluate({"extra": e}) for e in extras):
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
             continue
         if system_torch and canonicalize_name(req.name) == "torch":
             continue

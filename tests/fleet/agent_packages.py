@@ -10,6 +10,7 @@ from collections.abc import Callable
 # Packages only the controller (or the tests) needs: none may reach a device.
 CONTROLLER_ONLY = frozenset(
     {
+        "sits-deployer",  # the controller itself: devices get sits-agent
         "paramiko",
         "bcrypt",
         "pynacl",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from deployer.errors import AgentError
-from deployer.push.bootstrap import KERNEL_DIR, build_wheel, install_agent
+from deployer.push.bootstrap import KERNEL_DIR, build_agent_wheel, install_agent
 from deployer.push.facts import VENV_PYTHON, DeviceSite, gather_platform
 from tests.fleet.agent_packages import forbidden, packages_of
 from tests.lab.lab import Lab
@@ -45,7 +45,7 @@ class CountingPuts:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    return build_wheel(PROJECT, tmp_path_factory.mktemp("wheel"))
+    return build_agent_wheel(PROJECT, tmp_path_factory.mktemp("wheel"))
 
 
 def _site(lab: Lab, index: int, engine: str = "torch", system_torch: bool = False) -> DeviceSite:
@@ -84,7 +84,7 @@ def test_a_device_without_an_index_gets_only_the_agent(hub: Lab, ssh_to, wheel, 
     print(f"\n[bootstrap] {site.name} ({engine}): {took:.0f} s, {len(transport.sent)} files sent")
     packages = packages_of(_run(transport), site.python)
     assert forbidden(packages, engine) == set(), sorted(packages)
-    assert {"sits-deployer", "tokenizers", "jinja2", "tuf"} <= packages.keys()
+    assert {"sits-agent", "tokenizers", "jinja2", "tuf"} <= packages.keys()
     assert ("torch" if engine == "torch" else "llama-cpp-python") in packages
     engine_module = "torch" if engine == "torch" else "llama_cpp"
     transport.run(

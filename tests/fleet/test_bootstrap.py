@@ -1,4 +1,4 @@
-"""Bootstrap: a device whose interpreter lacks sits-deployer gets the agent from the wheelhouse.
+"""Bootstrap: a device whose interpreter lacks the agent gets sits-agent and its wheelhouse.
 
 The device's interpreter here is a bare venv: everything the agent imports must come from the
 controller's wheelhouse (installed with pip --no-index), and nothing the controller alone needs may.
@@ -57,7 +57,7 @@ def test_fresh_device_gets_only_the_agent_and_serves(tmp_path, tiny_model_dir, m
         ).stdout
         assert str(tmp_path / "device-venv") in installed  # the wheel's copy, not the source tree
         packages = packages_of(local_run, str(python))
-        assert {"torch", "tokenizers", "jinja2", "tuf", "sits-deployer"} <= packages.keys()
+        assert {"torch", "tokenizers", "jinja2", "tuf", "sits-agent"} <= packages.keys()
         assert forbidden(packages, "torch") == set(), sorted(packages)
         # Each wheel is recorded by its hash: a second bootstrap sends none of them again.
         record = json.loads((project.device_root("fresh") / "opt/sits/wheels.json").read_text())

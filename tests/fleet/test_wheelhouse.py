@@ -1,4 +1,4 @@
-"""The agent's requirements, a device platform's pip tags, and the wheelhouse cache.
+"""The agent's distribution, its requirements, a device platform's pip tags, and the wheelhouse cache.
 
 The cache tests point pip at a local folder of wheels only (PIP_NO_INDEX, PIP_FIND_LINKS): no
 index is reached. Their seed is our own agent wheelhouse in the shared cache, built (once per
@@ -7,21 +7,24 @@ machine, with the controller's pip configuration) by `agent_house`.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.metadata
 import platform
 import shutil
+import subprocess
 import sys
-import tomllib
 import zipfile
+from email.parser import HeaderParser
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-from packaging.utils import parse_wheel_filename
+from packaging.utils import canonicalize_name, parse_wheel_filename
 
+from deployer import __version__
 from deployer.errors import SitsError
-from deployer.push.bootstrap import build_wheel
+from deployer.push.bootstrap import build_agent_wheel
 from deployer.push.facts import DevicePlatform
 from deployer.push.wheelhouse import PipTarget, agent_requirements, build_wheelhouse, controller_pins
 from tests.fleet.agent_packages import CONTROLLER_ONLY, canonical
@@ -34,31 +37,94 @@ HERE = DevicePlatform(
     libc=platform.libc_ver()[0],
     libc_version=platform.libc_ver()[1],
 )
+# All a device gets of deployer/: the package's version, the errors, core/ and the agent.
+AGENT_FILES = ("deployer/__init__.py", "deployer/errors.py", "deployer/core/", "deployer/agent/")
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    return build_wheel(PROJECT, tmp_path_factory.mktemp("wheel"))
+    return build_agent_wheel(PROJECT, tmp_path_factory.mktemp("wheel"))
 
 
-def test_agent_extras_repeat_the_controllers_specifiers_and_hold_no_controller_package():
-    project = tomllib.loads((PROJECT / "pyproject.toml").read_text())["project"]
-    base = {canonical(Requirement(r).name): Requirement(r).specifier for r in project["dependencies"]}
-    extras = project["optional-dependencies"]
-    for extra in ("agent", "agent-torch"):
-        for line in extras[extra]:
-            req = Requirement(line)
-            assert base.get(canonical(req.name)) == req.specifier, (
-                f"{extra}: {line} differs from dependencies"
-            )
-    agent = {canonical(Requirement(r).name) for r in extras["agent"]}
-    assert agent.isdisjoint({canonical(p) for p in CONTROLLER_ONLY})
+@pytest.fixture(scope="module")
+def controller_wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("controller-wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(PROJECT)],
+        check=True,
+        capture_output=True,
+    )
+    return next(out.glob("sits_deployer-*.whl"))
+
+
+def _metadata(wheel: Path):
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        return HeaderParser().parsestr(zf.read(name).decode())
+
+
+def _packaged(wheel: Path) -> list[str]:
+    """The files `wheel` installs, its .dist-info left out."""
+    with zipfile.ZipFile(wheel) as zf:
+        return [n for n in zf.namelist() if not n.split("/", 1)[0].endswith(".dist-info")]
+
+
+def test_the_agent_wheel_holds_the_agent_and_nothing_of_the_controller(wheel):
+    files = _packaged(wheel)
+    assert {"deployer/__init__.py", "deployer/errors.py", "deployer/agent/cli.py"} <= set(files)
+    assert "deployer/agent/engines/torch/cpu_kernels.cpp" in files  # built on the device
+    assert [f for f in files if not f.startswith(AGENT_FILES)] == []  # no cli/, push/, _data/, ...
+    with zipfile.ZipFile(wheel) as zf:
+        entry_points = zf.read(next(n for n in zf.namelist() if n.endswith("entry_points.txt"))).decode()
+    assert "sits-agent = deployer.agent.cli:main" in entry_points
+
+
+def _imports(wheel: Path) -> set[str]:
+    """Every module the wheel's Python files import (lazy imports too)."""
+    found = set()
+    with zipfile.ZipFile(wheel) as zf:
+        for name in (n for n in zf.namelist() if n.endswith(".py")):
+            for node in ast.walk(ast.parse(zf.read(name), filename=name)):
+                if isinstance(node, ast.Import):
+                    found |= {alias.name for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    found.add(node.module)
+    return found
+
+
+def test_the_agent_wheel_imports_only_its_own_modules_and_no_controller_package(wheel):
+    ours = {m for m in _imports(wheel) if m.split(".")[0] == "deployer"}
+    others = {m.split(".")[0] for m in _imports(wheel)} - {"deployer"}
+    modules = {
+        name.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for name in _packaged(wheel)
+        if name.endswith(".py")
+    }
+    assert sorted(ours - modules) == []  # e.g. deployer.config would be missing on a device
+    providers = importlib.metadata.packages_distributions()
+    assert {"paramiko", "rich", "gguf"} <= providers.keys()  # installed here: the check below can fail
+    controller_only = {canonical(p) for p in CONTROLLER_ONLY}
+    assert sorted(m for m in others if controller_only & {canonical(d) for d in providers.get(m, ())}) == []
+
+
+def test_the_controller_wheel_leaves_the_agents_files_to_sits_agent_at_its_own_version(
+    wheel, controller_wheel
+):
+    assert set(_packaged(wheel)).isdisjoint(_packaged(controller_wheel))  # no file installed twice
+    assert "deployer/cli/main.py" in _packaged(controller_wheel)
+    agent = [
+        Requirement(r)
+        for r in _metadata(controller_wheel).get_all("Requires-Dist", [])
+        if canonicalize_name(Requirement(r).name) == "sits-agent"
+    ]
+    assert agent and all(str(r.specifier) == f"=={__version__}" for r in agent), agent
+    assert _metadata(wheel)["Version"] == __version__
 
 
 @pytest.mark.parametrize(
     ("engine", "system_torch", "has", "lacks"),
     [
-        ("torch", False, {"torch", "tuf", "jinja2"}, {"llama-cpp-python", "paramiko", "rich"}),
+        ("torch", False, {"torch", "tuf", "jinja2", "click"}, {"llama-cpp-python", "paramiko", "rich"}),
         ("llama.cpp", False, {"llama-cpp-python", "tuf"}, {"torch", "paramiko"}),
         ("torch", True, {"tokenizers"}, {"torch", "llama-cpp-python"}),
     ],
@@ -68,10 +134,11 @@ def test_requirements_come_from_the_wheels_own_metadata(wheel, engine, system_to
         canonical(Requirement(r).name) for r in agent_requirements(wheel, engine, system_torch=system_torch)
     }
     assert has <= names and not (lacks & names)
+    assert not names & {canonical(p) for p in CONTROLLER_ONLY}
 
 
 def test_an_engine_without_an_extra_is_refused(wheel):
-    with pytest.raises(SitsError, match="no extra agent-onnx"):
+    with pytest.raises(SitsError, match="no extra onnx"):
         agent_requirements(wheel, "onnx")
 
 
@@ -112,7 +179,7 @@ def _public(version: str) -> str:
 
 def test_the_agent_wheelhouse_holds_the_releases_this_controller_runs(agent_house):
     pins = {canonical(name): version for name, version in (pin.split("==") for pin in agent_house.pins)}
-    assert not set(pins) & {canonical(p) for p in CONTROLLER_ONLY}
+    assert not set(pins) & {canonical(p) for p in CONTROLLER_ONLY}  # what a device gets, bar sits-agent
     # Every wheel, torch and what the agent's dependencies pull in included (anyio through
     # starlette, h11 through uvicorn), is the version installed here.
     assert {"torch", "starlette", "anyio", "uvicorn", "h11", "pydantic-core"} <= set(pins)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from deployer.push.bootstrap import build_wheel
+from deployer.push.bootstrap import build_agent_wheel
 from deployer.push.facts import DEFAULT_PYTHON, DeviceSite, parse_platform, platform_probe
 from deployer.push.wheelhouse import PipTarget, agent_requirements, build_wheelhouse
 from deployer.transport.base import RetryPolicy
@@ -69,7 +69,7 @@ def _warm_wheelhouses(lab: Lab, wheel_dir: Path) -> None:
         lab.device(1).name, lab.device(1).address, "/", False, 8080, DEFAULT_PYTHON, DEFAULT_PYTHON
     )
     target = PipTarget.of(parse_platform(site.name, lab.nsenter(1, platform_probe(site), timeout=120)))
-    wheel = build_wheel(PROJECT, wheel_dir)
+    wheel = build_agent_wheel(PROJECT, wheel_dir)
     for engine in ("torch", "llama.cpp"):
         build_wheelhouse(agent_requirements(wheel, engine), target)
 

@@ -37,7 +37,7 @@ RESET_SCRIPT = (
     "systemctl stop 'sits-*' 2>/dev/null; systemctl reset-failed 'sits-*' 2>/dev/null; "
     "rm -rf /etc/systemd/system/sits-* /etc/systemd/system/timers.target.wants/sits-* "
     "/etc/systemd/system/multi-user.target.wants/sits-* /var/lib/sits /etc/sits /var/log/sits-agent.log; "
-    "systemctl daemon-reload; /opt/sits/venv/bin/pip uninstall -q -y sits-deployer 2>/dev/null; true"
+    "systemctl daemon-reload; /opt/sits/venv/bin/pip uninstall -q -y sits-agent 2>/dev/null; true"
 )
 WIPE_RUNTIME = "rm -rf /opt/sits"  # what `Lab.reset(..., runtime=True)` adds: as from the factory
 
