@@ -241,6 +241,12 @@ def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
         f"{site.name}: pip install of the agent's {len(house.pins)} wheels",
         timeout_s=1800,
     )
+    if site.python == site.path(VENV_PYTHON):
+        # Our venv's agents from before the split came as the controller's wheel, which owns the
+        # agent's files too (and the controller's modules): sits-agent alone may own them now.
+        transport.run(
+            [site.python, "-m", "pip", "uninstall", "--yes", "--quiet", "sits-deployer"], timeout=300
+        ).check(f"{site.name}: pip uninstall of the controller's sits-deployer")
     # The agent is replaced even at the same version; its dependencies are the ones above.
     _run_detached(
         site,
