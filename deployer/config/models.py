@@ -14,6 +14,7 @@ import fnmatch
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from ipaddress import IPv4Address
 from pathlib import Path
@@ -40,11 +41,13 @@ from deployer.config.quantity import (
     DURATION_PATTERN,
     PERCENT_PATTERN,
     QUANTITY_PATTERN,
+    RATE_PATTERN,
     format_duration,
     parse_cpu,
     parse_duration,
     parse_memory,
     parse_percent,
+    parse_rate,
 )
 from deployer.core.yaml_words import on_off
 
@@ -120,6 +123,11 @@ Memory = Annotated[
         {"anyOf": [{"type": "string", "pattern": QUANTITY_PATTERN}, {"type": "integer"}]},
         mode="validation",
     ),
+]
+Rate = Annotated[
+    float,
+    BeforeValidator(parse_rate),
+    WithJsonSchema({"type": "string", "pattern": RATE_PATTERN, "examples": ["2Mbit", "1MB/s"]}),
 ]
 Step = Annotated[int | str, BeforeValidator(_step), WithJsonSchema(_COUNT_OR_PERCENT_SCHEMA)]
 CountOrPercent = Annotated[
@@ -412,6 +420,42 @@ def merge_fallbacks(*layers: Fallback | None) -> Fallback | None:
     return Fallback.model_validate(data)
 
 
+class Bandwidth(_Model):
+    """A device's link (docs/operating.md, "Slow and metered links"). Set fleet-wide at the top
+    level; a profile's or a device's ``bandwidth`` overrides the fields it sets.
+
+    ``rate`` caps what one device is sent (push) or downloads (pull), in bits or bytes per second
+    (``2Mbit``, ``1MB/s``). On a ``metered`` link a device that runs a model gets patches only:
+    where no patch from its version can be made, the full artifact is sent (or downloaded) only
+    with ``allow_full_on_metered``; otherwise plan marks it blocked and says why.
+    """
+
+    rate: Rate | None = None
+    metered: bool = False
+    allow_full_on_metered: bool = False
+
+
+class FleetBandwidth(Bandwidth):
+    """The fleet's ``bandwidth``: the devices' defaults, and totals over every device at once.
+
+    ``push_total`` is shared by every upload of one apply (whatever ``--parallel``); ``pull_total``
+    is split evenly among the devices that poll a channel (each polls by itself, so each gets its
+    share as its own cap).
+    """
+
+    push_total: Rate | None = None
+    pull_total: Rate | None = None
+
+
+@dataclass(frozen=True)
+class Link:
+    """One device's resolved link: its own rate cap (bytes/s, None: no limit) and metering."""
+
+    rate: float | None = None
+    metered: bool = False
+    allow_full_on_metered: bool = False
+
+
 class Device(_Model):
     """One edge device and how to reach it."""
 
@@ -429,6 +473,7 @@ class Device(_Model):
     python: Annotated[str, Field(min_length=1)] = "python3"
     agent_port: Port | None = None  # the agent's HTTP port on this device (default: agent.port)
     fallback: Fallback | None = None  # overrides the profile's and the fleet's
+    bandwidth: Bandwidth | None = None  # overrides the profile's and the fleet's
 
 
 class Fleet(_Model):
@@ -476,6 +521,7 @@ class Profile(_Model):
         ),
     ] = "wheelhouse"
     fallback: Fallback | None = None  # overrides the fleet's for this profile's devices
+    bandwidth: Bandwidth | None = None  # overrides the fleet's for this profile's devices
 
 
 class Strategy(_Model):
@@ -641,6 +687,7 @@ class Config(_Model):
     agent: AgentSettings = AgentSettings()
     publish: Publish | None = None
     fallback: Fallback | None = None
+    bandwidth: FleetBandwidth | None = None
 
     _path: Path | None = PrivateAttr(default=None)
 
@@ -660,3 +707,13 @@ class Config(_Model):
         """The device's fallback: the fleet's, then its profile's and its own fields over it."""
         profile = self.profiles.get(device.profile) if device.profile else None
         return merge_fallbacks(self.fallback, profile.fallback if profile else None, device.fallback)
+
+    def link_for(self, device: Device) -> Link:
+        """The device's link: the fleet's ``bandwidth``, then its profile's and its own fields over it."""
+        profile = self.profiles.get(device.profile) if device.profile else None
+        own = {f.name for f in fields(Link)}  # the fleet's totals are not a device's
+        merged: dict[str, Any] = {}
+        for layer in (self.bandwidth, profile.bandwidth if profile else None, device.bandwidth):
+            if layer is not None:
+                merged |= {k: getattr(layer, k) for k in layer.model_fields_set & own}
+        return Link(**merged)

@@ -4,6 +4,8 @@
 * Memory and disk: ``8Gi``, ``512Mi``, ``1G``, ``1e9``, ``1073741824`` -> bytes.
 * Durations: ``30s``, ``5m``, ``2h``, ``30d``, ``1h30m`` -> `timedelta`.
 * Percentages: ``"25%"`` -> 25.
+* Link rates: ``2Mbit``, ``500kbit/s``, ``1mbit`` (as tc writes it), ``1MB/s``, ``256KiB/s`` ->
+  bytes per second. A unit is required: a bare number could mean bits or bytes.
 
 Parsers raise ValueError with a message that names the accepted forms (pydantic turns it into a
 finding at the value's position).
@@ -21,10 +23,14 @@ _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h|d|w)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _PERCENT = re.compile(r"^([0-9]+(?:\.[0-9]+)?)%$")
+_RATE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*(k|K|M|G|Ki|Mi|Gi|m|g)?(bit|B)(?:/s)?$")
+_RATE_PREFIX = {"k": 10**3, "K": 10**3, "M": 10**6, "m": 10**6, "G": 10**9, "g": 10**9}
+_RATE_PREFIX |= {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
 
 QUANTITY_PATTERN = _QUANTITY.pattern
 DURATION_PATTERN = r"^([0-9]+(ms|s|m|h|d|w))+$"
 PERCENT_PATTERN = _PERCENT.pattern
+RATE_PATTERN = _RATE.pattern
 
 
 def _amount(value: str | int | float, what: str, example: str) -> Decimal:
@@ -88,6 +94,44 @@ def parse_percent(value: str) -> float:
     if not 0 < percent <= 100:
         raise ValueError(f"percentage {value!r} must be above 0% and at most 100%")
     return percent
+
+
+def parse_rate(value: str | int | float) -> float:
+    """A link rate in bytes per second: ``"2Mbit"`` -> 250000.0, ``"1MB/s"`` -> 1e6, ``"256KiB/s"``
+    -> 262144.0. ``bit`` is bits, ``B`` bytes; ``m``/``g`` are accepted as tc writes them (``1mbit``)."""
+    example = "'2Mbit', '500kbit/s' or '1MB/s'"
+    if isinstance(value, bool) or not isinstance(value, str):
+        raise ValueError(f"a rate needs a unit (bits or bytes per second), like {example}; got {value!r}")
+    match = _RATE.match(value.strip())
+    if match is None:
+        raise ValueError(f"invalid rate {value!r}; write it like {example}")
+    number, prefix, unit = match.groups()
+    per_second = float(Decimal(number) * _RATE_PREFIX.get(prefix or "", 1)) / (8 if unit == "bit" else 1)
+    if per_second <= 0:
+        raise ValueError(f"rate {value!r} must be above 0; leave the field out for no limit")
+    return per_second
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """A rate for people, in bits per second as links are sold: 250000.0 -> '2 Mbit/s'."""
+    bits = bytes_per_s * 8
+    for unit, size in (("Gbit/s", 10**9), ("Mbit/s", 10**6), ("kbit/s", 10**3)):
+        if bits >= size:
+            return f"{bits / size:.3g} {unit}"
+    return f"{bits:.3g} bit/s"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for people: 42.3 -> '42s', 3725 -> '1h02m', 90061 -> '1d01h'."""
+    whole = round(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def format_bytes(count: int) -> str:

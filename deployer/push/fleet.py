@@ -22,6 +22,7 @@ from typing import Any
 
 from deployer.config.models import Config, Device
 from deployer.core.hashing import sha256_bytes
+from deployer.core.ratelimit import Throttle, TokenBucket
 from deployer.core.redact import redacted_json
 from deployer.errors import ConfigError, KeyFileError, SignatureError, SitsError
 from deployer.push.bootstrap import AGENT_PROJECT, REMOVED_WHEN_UNSET, build_agent_wheel, desired_files
@@ -82,6 +83,9 @@ class FleetSession:
     def __post_init__(self) -> None:
         self.sites = {d.name: DeviceSite.of(self.config, d) for d in self.devices}
         self._transports: dict[str, Transport] = {}
+        total = self.config.bandwidth.push_total if self.config.bandwidth else None
+        # One bucket for every upload of this session: the total holds whatever --parallel is.
+        self._push_total = TokenBucket(total) if total else None
 
     @classmethod
     def select(
@@ -113,7 +117,13 @@ class FleetSession:
         """The (cached) transport of a device."""
         if site.name not in self._transports:
             device = next(d for d in self.devices if d.name == site.name)
-            self._transports[site.name] = (self.connect or _connect)(self.config, device, site)
+            transport = (self.connect or _connect)(self.config, device, site)
+            rate = self.config.link_for(device).rate
+            buckets = [TokenBucket(rate)] if rate else []
+            if self._push_total is not None:
+                buckets.append(self._push_total)
+            transport.throttle = Throttle(buckets) if buckets else None
+            self._transports[site.name] = transport
         return self._transports[site.name]
 
     def close(self) -> None:

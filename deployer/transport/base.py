@@ -24,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 
 from deployer.core.hashing import CHUNK, sha256_file
+from deployer.core.ratelimit import Throttle
 from deployer.errors import HashMismatchError, TransportError
 
 PART_SUFFIX = ".part"
@@ -87,6 +88,8 @@ class Transport(ABC):
 
     label: str  # the device, for messages
     retry: RetryPolicy
+    # Caps uploads (deploy.yaml's bandwidth: the device's rate and the fleet's push total).
+    throttle: Throttle | None = None
 
     @abstractmethod
     def run(self, cmd: str | Sequence[str], timeout: float = 60.0) -> RunResult:
@@ -177,6 +180,10 @@ class Transport(ABC):
                 hint="run the upload again; if it keeps failing, check the device's disk",
             )
         self._rename(part, remote_path)
+
+    def _paced(self, write: Callable[[bytes], object]) -> Callable[[bytes], object]:
+        """`write` held to this transport's rate cap (itself when there is none)."""
+        return write if self.throttle is None else self.throttle.writer(write)
 
     # File primitives each transport supplies. Connection loss inside them raises ConnectionDropped.
 

@@ -108,7 +108,7 @@ class LocalTransport(Transport):
     ) -> None:
         with self._io(remote_path), self.path(remote_path).open("r+b" if offset else "wb") as out:
             out.seek(offset)
-            copy_range(local_path, out.write, offset, on_bytes)
+            copy_range(local_path, self._paced(out.write), offset, on_bytes)
             out.truncate()
 
     def _read(self, remote_path: str, local_path: Path) -> None:

@@ -245,7 +245,7 @@ class SshTransport(Transport):
         ):
             f.set_pipelined(True)
             f.seek(offset)
-            copy_range(local_path, f.write, offset, on_bytes)
+            copy_range(local_path, self._paced(f.write), offset, on_bytes)
 
     def _read(self, remote_path: str, local_path: Path) -> None:
         with self._sftp_io(f"download of {remote_path}"):
