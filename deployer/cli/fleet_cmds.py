@@ -19,6 +19,7 @@ from deployer.cli.common import console, emit_json, examples, info, output_optio
 from deployer.errors import SitsError
 
 if TYPE_CHECKING:
+    from deployer.push.cost import RolloutCost
     from deployer.push.executor import RolloutReport
     from deployer.push.fleet import FleetPlan, FleetSession
     from deployer.push.plan import Plan
@@ -77,13 +78,20 @@ def _fleet(
     )
 
 
-def _plan_table(plan: Plan) -> Table:
+def _plan_table(plan: Plan, cost: RolloutCost) -> Table:
+    from deployer.config.quantity import format_bytes, format_rate, format_seconds
+
     artifact = plan.target_sha256[:12] or "not built"
     table = Table(title=f"plan: {plan.target_version} ({artifact})", title_justify="left")
-    for column in ("device", "status", "from", "to", "steps", "bytes", "reason"):
+    for column in ("device", "status", "from", "to", "steps", "bytes", "time", "reason"):
         table.add_column(column)
     for d in plan.devices:
         steps = ", ".join(s.kind.value for s in d.steps) or "-"
+        time = (
+            "-"
+            if d.seconds is None or d.rate is None
+            else f"{format_seconds(d.seconds)} at {format_rate(d.rate)}"
+        )
         table.add_row(
             d.device,
             d.status.value,
@@ -91,18 +99,37 @@ def _plan_table(plan: Plan) -> Table:
             d.to_version,
             steps,
             f"{d.bytes_to_send:,}",
+            time,
             escape(d.reason),
         )
+    notes = [f"total {format_bytes(cost.total_bytes)}, rollout about {format_seconds(cost.seconds)}"]
+    if cost.full_downloads:
+        notes.append(f"full artifact to {', '.join(cost.full_downloads)}")
+    if cost.uncapped:
+        notes.append(f"no bandwidth.rate for {', '.join(cost.uncapped)}: counted as instant")
+    table.caption, table.caption_justify = escape("; ".join(notes)), "left"
     return table
 
 
-def _print_plan(plan: Plan, output: str) -> None:
+def _print_plan(fleet: FleetSession, plan: Plan, output: str) -> None:
     """The plan on stdout: JSON, or the table and, with -v, every step's actions under it (what
-    apply runs, in order)."""
+    apply runs, in order); both with the rollout's cost on the devices' links."""
+    from deployer.push.cost import rollout_cost
+    from deployer.push.plan import DeviceStatus
+    from deployer.push.rollout import make_waves
+
+    config = fleet.config
+    changing = [d.device for d in plan.devices if d.status is DeviceStatus.CHANGE]
+    cost = rollout_cost(
+        plan,
+        make_waves(config.strategy, changing),
+        parallel=fleet.parallel,
+        push_total=config.bandwidth.push_total if config.bandwidth else None,
+    )
     if output == "json":
-        emit_json(plan.to_dict())
+        emit_json({**plan.to_dict(), "cost": cost.to_dict()})
         return
-    stdout().print(_plan_table(plan))
+    stdout().print(_plan_table(plan, cost))
     if verbosity() < 1:
         return
     for d in plan.devices:
@@ -245,7 +272,7 @@ def plan(
         fp = plan_fleet(fleet, built_target(fleet.config))
     finally:
         fleet.close()
-    _print_plan(fp.plan, output)
+    _print_plan(fleet, fp.plan, output)
     if out is not None:
         fp.built_target()  # a plan made before the build cannot be applied: no file for it
         write_plan_file(fp, config_path, out, _selector(selector) or {}, names)
@@ -323,7 +350,7 @@ def apply(
         check_plan_file(saved, fp)
     if dry_run or not fp.plan.has_changes:
         fleet.close()
-        _print_plan(fp.plan, output)
+        _print_plan(fleet, fp.plan, output)
         problem = _drift(fleet, fp.plan, signing=True) if dry_run else None
         if problem is not None:
             raise SitsError(f"dry run: {problem.message}", hint=problem.hint)

@@ -204,6 +204,9 @@ def make_fleet_plan(
     files = {f.name: desired_files(config, sites[f.name], systemd=f.systemd) for f in facts}
     sizes = {base: path.stat().st_size for base, path in patches.items()}
     hooks = _configured_hooks(config, rollback=rollback)
+    devices = {d.name: d for d in config.fleet.devices}
+    links = {f.name: config.link_for(devices[f.name]) for f in facts}
+    push_total = config.bandwidth.push_total if config.bandwidth else None
     desired = {
         f.name: DesiredState(
             version=target.version if target else config.model.version,
@@ -215,6 +218,9 @@ def make_fleet_plan(
             hooks=hooks,
             built=target is not None,
             absent=REMOVED_WHEN_UNSET - files[f.name].keys(),
+            rate=min((r for r in (links[f.name].rate, push_total) if r), default=None),
+            metered=links[f.name].metered,
+            allow_full_on_metered=links[f.name].allow_full_on_metered,
         )
         for f in facts
     }

@@ -98,6 +98,11 @@ class DesiredState:
     hooks: frozenset[str] = frozenset()  # phases that have a hook configured (pre-/post-deploy or -rollback)
     built: bool = True
     absent: frozenset[str] = frozenset()  # managed files that must not be on the device (see stale_files)
+    # The device's link (deploy.yaml's bandwidth): its rate cap in bytes/s (None: none) and whether
+    # a full artifact may replace a patch that cannot be made on a metered link.
+    rate: float | None = None
+    metered: bool = False
+    allow_full_on_metered: bool = False
 
 
 class ActionKind(enum.StrEnum):
@@ -169,11 +174,17 @@ class DevicePlan:
     from_version: str | None
     to_version: str
     steps: tuple[Step, ...] = ()
+    rate: float | None = None  # the device's link cap in bytes/s (None: no cap)
 
     @property
     def bytes_to_send(self) -> int:
         """Payload bytes this device will receive."""
         return sum(s.bytes for s in self.steps)
+
+    @property
+    def seconds(self) -> float | None:
+        """How long its payload takes at the device's rate (None: no cap, so no estimate)."""
+        return None if self.rate is None else self.bytes_to_send / self.rate
 
 
 @dataclass(frozen=True)
@@ -199,6 +210,8 @@ class Plan:
         """JSON-ready form (what `plan --output json` and `plan -o plan.json` write)."""
         data = asdict(self)
         data["has_changes"] = self.has_changes
+        for device, plan in zip(data["devices"], self.devices, strict=True):
+            device["bytes"], device["seconds"] = plan.bytes_to_send, plan.seconds
         return data
 
 
@@ -255,7 +268,9 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
     """The steps that take one device from its facts to the desired state."""
 
     def verdict(status: DeviceStatus, reason: str, steps: Sequence[Step] = ()) -> DevicePlan:
-        return DevicePlan(facts.name, status, reason, facts.model_version, desired.version, tuple(steps))
+        return DevicePlan(
+            facts.name, status, reason, facts.model_version, desired.version, tuple(steps), desired.rate
+        )
 
     if facts.refused:
         return verdict(DeviceStatus.BLOCKED, facts.error or "refused")
@@ -326,9 +341,18 @@ def _model_steps(desired: DesiredState, facts: DeviceFacts) -> list[Step] | str:
         ]
     if kind is StepKind.SEND_PATCH:
         send = Step(kind, f"patch {have} -> {desired.version}", desired.patches[facts.model_sha256 or ""])
+    elif facts.model_sha256 is None:
+        send = Step(kind, "full artifact (no model installed)", desired.artifact_bytes)
     else:
-        why = "no model installed" if facts.model_sha256 is None else f"no patch from {have}"
-        send = Step(kind, f"full artifact ({why})", desired.artifact_bytes)
+        # The controller makes a patch from any artifact still in its store; this one is gone.
+        why = f"no patch from {have}: its artifact is not in the controller's store"
+        if desired.metered and not desired.allow_full_on_metered:
+            return (
+                f"metered link: {why}, and the full artifact ({desired.artifact_bytes:,} bytes) is "
+                "never sent instead without bandwidth.allow_full_on_metered"
+            )
+        metered = "; metered, allowed by bandwidth.allow_full_on_metered" if desired.metered else ""
+        send = Step(kind, f"full artifact ({why}{metered})", desired.artifact_bytes)
     needed = int(send.bytes + desired.artifact_bytes * (DISK_HEADROOM - 1))
     if facts.free_disk_bytes is not None and facts.free_disk_bytes < needed:
         return f"needs {needed} bytes free, has {facts.free_disk_bytes}"

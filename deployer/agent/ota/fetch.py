@@ -6,8 +6,10 @@ Reads are bounded: a metadata fetch by the length ngclient passes, a target down
 its signed TUF entry declares, and every read by the poll's deadline. A server that sends slowly
 (a byte just inside the idle timeout, for ever: slow retrieval) cannot hold a poll: the body is
 read one socket receive at a time (`read1`), each bounded by the idle timeout, and the deadline is
-checked between them, so a poll ends at most one idle timeout past it. Nothing here decides what to
-trust; the caller verifies hashes.
+checked between them, so a poll ends at most one idle timeout past it. A rate cap (pull.yaml's
+`max_rate`, from deploy.yaml's bandwidth) paces the reads: a receiver that reads slowly makes TCP
+slow the sender down, as `curl --limit-rate` does. Nothing here decides what to trust; the caller
+verifies hashes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tuf.ngclient.fetcher import FetcherInterface
 from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
 from deployer import __version__
+from deployer.core.ratelimit import Throttle
 from deployer.errors import FormatError, TransportError
 
 __all__ = ["ByteBudgetExceeded", "DeadlineExceeded", "PullFetcher"]
@@ -40,7 +43,8 @@ class DeadlineExceeded(TransportError):
 
 class PullFetcher(FetcherInterface):
     """One poll's HTTP client: counts requests and bytes, and refuses to go past `budget` bytes or
-    past `deadline_s` seconds from its creation. `clock` is a seam for tests."""
+    past `deadline_s` seconds from its creation; `throttle` caps its rate. `clock` is a seam for
+    tests."""
 
     def __init__(
         self,
@@ -49,6 +53,7 @@ class PullFetcher(FetcherInterface):
         budget: int,
         deadline_s: float = float("inf"),
         max_resumes: int = 5,
+        throttle: Throttle | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.session = requests.Session()
@@ -59,6 +64,7 @@ class PullFetcher(FetcherInterface):
         self.budget = budget
         self.deadline_s = deadline_s
         self.max_resumes = max_resumes
+        self.throttle = throttle
         self.requests = 0
         self.bytes = 0
         self._clock = clock
@@ -173,4 +179,6 @@ class PullFetcher(FetcherInterface):
                         "max_bytes_per_poll in pull.yaml for faster updates",
                     )
                 self.bytes += len(chunk)
+                if self.throttle is not None:
+                    self.throttle.take(len(chunk))
                 yield chunk

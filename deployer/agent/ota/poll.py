@@ -46,6 +46,7 @@ from deployer.agent.ota.store import DeviceStore, utc_now
 from deployer.agent.ota.updater import InstallResult, Updater
 from deployer.core.fsutil import atomic_write
 from deployer.core.patch_format import check_relative_path
+from deployer.core.ratelimit import Throttle, TokenBucket
 from deployer.core.redact import redact, register
 from deployer.core.release import read_envelope
 from deployer.errors import (
@@ -84,6 +85,15 @@ class PullSettings(BaseModel):
         "Below the poll unit's TimeoutStartSec (3600 s), which leaves time to install.",
     )
     max_resumes: int = Field(default=5, ge=0, description="dropped connections tolerated per file")
+    max_rate: float | None = Field(
+        default=None, gt=0, description="bytes per second this device downloads at most (None: no cap)"
+    )
+    metered: bool = Field(
+        default=False,
+        description="a metered link: with a model installed, only a patch from it is downloaded; "
+        "the full release only with allow_full_on_metered",
+    )
+    allow_full_on_metered: bool = False
     retry_base_s: float = Field(default=60.0, gt=0)
     retry_max_s: float = Field(default=6 * 3600.0, gt=0)
 
@@ -287,6 +297,7 @@ class Poller:
             budget=self.settings.max_bytes_per_poll,
             deadline_s=self.settings.max_download_s,
             max_resumes=self.settings.max_resumes,
+            throttle=Throttle([TokenBucket(rate)]) if (rate := self.settings.max_rate) else None,
         )
         try:
             outcome = self._poll(fetcher)
@@ -308,6 +319,8 @@ class Poller:
         if installed is not None and full.custom.get("artifact_sha256") == installed:
             return PollOutcome("up-to-date", version, None, fetcher.requests, fetcher.bytes)
         patch = channel.patch_from(installed) if installed else None
+        if patch is None and installed is not None:
+            self._check_full_allowed(installed, version)
         if patch is not None:
             manifest, delta = (channel.download(info) for info in patch)
             result = self.updater.install(manifest, patch=delta)
@@ -318,6 +331,18 @@ class Poller:
             payload = "full"
         shutil.rmtree(self.downloads, ignore_errors=True)
         return PollOutcome("updated", version, payload, fetcher.requests, fetcher.bytes, result)
+
+    def _check_full_allowed(self, installed: str, version: str) -> None:
+        """On a metered link, a missing patch is never made up for by the full release unasked."""
+        if self.settings.metered and not self.settings.allow_full_on_metered:
+            running = self.store.current_version() or installed[:12]
+            raise AgentError(
+                f"{self.settings.url}: metered link: the channel publishes no patch from {running} to "
+                f"{version}, and the full release is not downloaded on a metered link; this device "
+                f"keeps serving {running}",
+                hint="publish with a patch from that version (publish.patch_bases), or set "
+                "bandwidth.allow_full_on_metered for this device in deploy.yaml",
+            )
 
     def _record_failure(self, state: PollState, exc: SitsError) -> None:
         failures = state.failures + 1
