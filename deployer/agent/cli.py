@@ -133,12 +133,12 @@ def serve(settings: AgentSettings) -> None:
     epilog=examples(
         "sits-agent install --manifest release.json --patch v1-v2.patch",
         "sits-agent install --manifest release.json --artifact ./artifact",
+        "sits-agent install --from /media/usb/sits-bundle.tar   # an offline bundle",
     )
 )
 @click.option(
     "--manifest",
     type=click.Path(path_type=Path, dir_okay=False, exists=True),
-    required=True,
     help="The signed release manifest.",
 )
 @click.option(
@@ -151,21 +151,41 @@ def serve(settings: AgentSettings) -> None:
     type=click.Path(path_type=Path, file_okay=False, exists=True),
     help="A full artifact directory.",
 )
+@click.option(
+    "--from",
+    "bundle",
+    type=click.Path(path_type=Path),
+    help="An offline bundle (sits-deployer bundle): its directory or tar file, e.g. on a USB stick.",
+)
 @click.option("--no-reload", is_flag=True, help="Do not ask the running server to load it.")
 @output_option
 @device_options
 def install(
     settings: AgentSettings,
-    manifest: Path,
+    manifest: Path | None,
     patch: Path | None,
     artifact: Path | None,
+    bundle: Path | None,
     no_reload: bool,
     output: str,
 ) -> None:
-    """Verify a signed release and install it from a patch or a full artifact directory."""
-    if (patch is None) == (artifact is None):
-        raise click.UsageError("give exactly one of --patch or --artifact")
-    result = _updater(settings, reload=not no_reload).install(manifest, patch=patch, artifact=artifact)
+    """Verify a signed release and install it from a patch or a full artifact directory, or from
+    an offline bundle (--from), checked with the same keys, expiry and anti-rollback."""
+    updater = _updater(settings, reload=not no_reload)
+    if bundle is not None:
+        if manifest or patch or artifact:
+            raise click.UsageError(
+                "--from installs a whole bundle: leave out --manifest, --patch, --artifact"
+            )
+        from deployer.agent.ota.bundle import install_bundle
+
+        outcome = install_bundle(bundle, updater, settings.device_class)
+        debug(f"from {outcome.source} ({outcome.payload})")
+        result = outcome.install
+    elif manifest is None or (patch is None) == (artifact is None):
+        raise click.UsageError("give --manifest and exactly one of --patch or --artifact (or --from BUNDLE)")
+    else:
+        result = updater.install(manifest, patch=patch, artifact=artifact)
     if output == "json":
         emit_json(asdict(result))
     elif not result.changed:

@@ -151,6 +151,11 @@ class AgentSettings(BaseModel):
     fallback: FallbackSettings | None = Field(
         default=None, description="an upstream model to answer when this one cannot (docs/fallback.md)"
     )
+    device_class: str | None = Field(
+        default=None,
+        min_length=1,
+        description="deploy.yaml's profile of this device: an offline bundle must be for this class",
+    )
 
     @model_validator(mode="after")
     def _prompt_fits_context(self) -> AgentSettings:

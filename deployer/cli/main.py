@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "release": "deployer.cli.release_cmds:release",
     "publish": "deployer.cli.publish_cmds:publish",
     "promote": "deployer.cli.publish_cmds:promote",
+    "bundle": "deployer.cli.publish_cmds:bundle",
     "demo": "deployer.cli.demo_cmds:demo",
     "plan": "deployer.cli.fleet_cmds:plan",
     "apply": "deployer.cli.fleet_cmds:apply",

@@ -152,3 +152,55 @@ def promote(
     for r in done.ring:
         info(f"{done.source}: {r.device} runs {r.version} ({r.health})")
     report_channel(done.published)
+
+
+@click.command(
+    epilog=examples(
+        "sits-deployer bundle -f deploy.yaml -o /media/usb/sits-bundle.tar",
+        "sits-deployer bundle -f deploy.yaml -o bundle/ --profile jetson-orin-nx",
+    )
+    + "\n\nOn the device: sits-agent install --from /media/usb/sits-bundle.tar",
+)
+@config_option
+@click.option(
+    "-o",
+    "--out",
+    "out",
+    type=click.Path(path_type=Path),
+    required=True,
+    metavar="DIR|FILE",
+    help="A directory, or a tar file (.tar, .tar.gz, .tgz). An earlier bundle there is replaced.",
+)
+@click.option(
+    "--profile", metavar="NAME", help="The device class (a profile); default: the fleet's only one."
+)
+@click.option(
+    "--bases",
+    type=click.IntRange(min=0, max=32),
+    default=3,
+    show_default=True,
+    help="Patches from this many of the versions released before (newest first).",
+)
+@output_option
+def bundle(config_path: Path, out: Path, profile: str | None, bases: int, output: str) -> None:
+    """Write an offline bundle for a site with no network: build (or reuse) the model, sign its
+    release, and put it with its artifact and patches from recent versions into DIR or FILE.
+
+    A device installs it with `sits-agent install --from`, verified with the same keys, counters,
+    expiry and anti-rollback checks as an update over the network.
+    """
+    from deployer.config import load_config
+    from deployer.release.bundle import bundle_class, write_bundle
+    from deployer.release.desired import build_target
+
+    config = load_config(config_path)
+    device_class = bundle_class(config, profile)
+    result = write_bundle(config, build_target(config), out, device_class=device_class, bases=bases)
+    if output == "json":
+        emit_json({**asdict(result), "path": str(result.path)})
+        return
+    patches = f", patches from {', '.join(result.patch_bases)}" if result.patch_bases else ""
+    info(
+        f"bundle of {result.version} (counter {result.counter}{patches}) for device class "
+        f"{result.device_class or '(no profile)'}: {result.path}, {result.bytes:,} bytes"
+    )

@@ -121,6 +121,8 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
     if socket is not None:
         settings["admin_socket"] = socket
     device = next(d for d in config.fleet.devices if d.name == site.name)
+    if device.profile:  # only then: an agent.yaml of a device without a profile stays the same text
+        settings["device_class"] = device.profile
     if (fallback := fallback_settings(config, device, site)) is not None:
         settings["fallback"] = fallback
     if config.resources.cpu is not None:

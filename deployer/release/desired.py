@@ -32,6 +32,8 @@ from deployer.core.release import PatchRef, make_release, parse_time
 from deployer.errors import ConfigError, KeyFileError, SitsError
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     from deployer.build.progress import BuildProgress
 
 __all__ = [
@@ -187,7 +189,7 @@ class Releaser:
     def _issue(self, target: Desired, base: Desired | None, patch: Path | None, counter: int) -> Path:
         from deployer.release.sign import add_signature, envelope_for
 
-        key = self._signing_key()
+        key = self.signing_key()
         patch_ref = None
         if base is not None and patch is not None:
             patch_ref = PatchRef(
@@ -197,7 +199,7 @@ class Releaser:
                 size=patch.stat().st_size,
             )
         signing = self.config.signing
-        assert signing is not None  # _signing_key checked it
+        assert signing is not None  # signing_key checked it
         body = make_release(
             target.artifact_dir, counter=counter, expires_in=signing.expires_in, patch=patch_ref
         )
@@ -207,7 +209,8 @@ class Releaser:
         atomic_write(path, envelope.to_bytes())
         return path
 
-    def _signing_key(self):
+    def signing_key(self) -> ec.EllipticCurvePrivateKey:
+        """deploy.yaml's release signing key. Raises KeyFileError (none named, unreadable, locked)."""
         from deployer.release.sign import load_signing_key
 
         signing = self.config.signing

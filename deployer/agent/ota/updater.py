@@ -237,7 +237,7 @@ class Updater:
         recorded in progress: same version, counter and signed bytes. Anything else below or at
         the floor is a replay, refused, however recently it was installed.
         """
-        trusted = self._trusted_keys()
+        trusted = self.trusted_keys()
         installed = Installed(state.release_counter, state.artifact_sha256)
         try:
             return verify_release(envelope, trusted, now=self.clock(), installed=installed), False
@@ -252,9 +252,10 @@ class Updater:
                 return release, True
             raise
 
-    def _trusted_keys(self) -> TrustedKeys:
-        """The device's trusted keys; a key file that does not parse is skipped with a warning in
-        the journal naming it (`load_usable_keys`). Raises KeyFileError when too few remain."""
+    def trusted_keys(self) -> TrustedKeys:
+        """The device's trusted keys (releases and offline bundles are verified with them); a key
+        file that does not parse is skipped with a warning in the journal naming it
+        (`load_usable_keys`). Raises KeyFileError when too few remain."""
         files = self.store.trusted_key_files()
         if not files:
             raise KeyFileError(
