@@ -3,9 +3,10 @@ directory or a tar file (for a USB stick). The layout is deployer/core/bundle.py
 
 The bundle holds the target's full release and artifact, and a patch release from each of the
 last `bases` artifacts this controller released (newest first, the ones still in its store): a
-device that runs one of them installs the patch, any other the full artifact. Its releases are the
-ledger's, so their counters are above every release issued before, as for push and pull. The index
-is signed with the release key, which binds the device class.
+device that runs one of them installs the patch, any other the full artifact. Its releases come from
+the ledger with counters above every release of another artifact, so a device that took a fleet
+rollback since still accepts them. The index is signed with the release key, which binds the device
+class.
 """
 
 from __future__ import annotations
@@ -74,8 +75,16 @@ def write_bundle(
     (`out` is something else than an earlier bundle), FormatError."""
     releaser = Releaser(config)
     key = releaser.signing_key()  # before any work: a locked key fails fast
-    full = releaser.release(target, None)
-    patches = [(base, releaser.release(target, base)) for base in _bases(config, releaser, target, bases)]
+    # Above every release of another artifact (a fleet rollback's too): the controller cannot ask
+    # an air-gapped device for its counter, so this is what keeps the bundle above it.
+    floor = max(
+        (e.counter for e in releaser.history() if e.artifact_sha256 != target.artifact_sha256), default=0
+    )
+    full = releaser.release(target, None, floor=floor)
+    patches = [
+        (base, releaser.release(target, base, floor=floor))
+        for base in _bases(config, releaser, target, bases)
+    ]
     is_tar = out.name.endswith(TAR_SUFFIXES)
     _check_replaceable(out, is_tar)
     out.parent.mkdir(parents=True, exist_ok=True)

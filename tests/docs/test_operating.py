@@ -5,10 +5,12 @@ and rollback targets exist).
 
 `sits-deployer` lines run in the project directory. `sits-agent` lines run "on the device"
 kiosk-01: in its directory with SITS_ROOT set to it (what `--root` sets, as the doc says for a
-device that lives in a directory). A `--follow` line streams until Ctrl-C: it must print a line of
-the log while it runs, then SIGINT ends it with 130. The lock block is about a lock left by a killed
-apply: the test leaves one with the doc's lock id first. Every other line must exit 0. The seeded
-tiny checkpoint stands in for SmolLM2 (SITS_CACHE_DIR), as in tests/quickstart.
+device that lives in a directory). `$USB`, the air-gapped site's stick, is a directory both see;
+the bundle installed from it must move kiosk-01 (rolled back to 1.0.0 just before) to 1.1.0. A
+`--follow` line streams until Ctrl-C: it must print a line of the log while it runs, then SIGINT
+ends it with 130. The lock block is about a lock left by a killed apply: the test leaves one with
+the doc's lock id first. Every other line must exit 0. The seeded tiny checkpoint stands in for
+SmolLM2 (SITS_CACHE_DIR), as in tests/quickstart.
 """
 
 from __future__ import annotations
@@ -130,7 +132,9 @@ def test_operating_md_blocks_run_as_written(tmp_path: Path) -> None:
         "SITS_SIGNING_PASSPHRASE": PASSPHRASE,
         "COLUMNS": "200",
         "NO_COLOR": "1",
+        "USB": str(tmp_path / "usb"),  # "Air-gapped sites": where the stick is mounted
     }
+    (tmp_path / "usb").mkdir()
     project = _project(tmp_path, env)
     device = project / ".sits" / "fleet" / "dev1"  # kiosk-01's directory
     try:
@@ -146,6 +150,8 @@ def test_operating_md_blocks_run_as_written(tmp_path: Path) -> None:
             assert done.returncode == 0, (
                 f"{line}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
             )
+            if "install --from" in line:
+                assert (device / "var/lib/sits/current").readlink().name == "1.1.0", done.stderr
         status = subprocess.run(
             ["bash", "-c", "sits-deployer status -f deploy.yaml --output json"],
             cwd=project,

@@ -232,3 +232,32 @@ def test_bundle_needs_one_device_class(tmp_path: Path, site: Site) -> None:
     assert result.exit_code == 1
     assert "2 device classes (gateway, kiosk); a bundle is for one" in result.stderr
     assert "--profile" in result.stderr and not (tmp_path / "b").exists()
+
+
+def test_a_bundle_after_a_fleet_rollback_is_above_the_rollback(tmp_path: Path, site: Site) -> None:
+    site.install(site.bundle(tmp_path / "v2"))
+    # A fleet rollback to 1.0.0: a new release of the older artifact, with a higher counter.
+    releaser = Releaser(site.config)
+    back = releaser.release(site.v1, None, fresh=True)
+    Updater(site.device).install(back.manifest, artifact=site.v1.artifact_dir)
+    again = site.install(site.bundle(tmp_path / "v2-again"))
+    assert again.install.version == "1.1.0" and again.install.release_counter > back.counter
+
+
+def test_apply_tells_each_device_its_class(site: Site) -> None:
+    from deployer.agent.settings import AgentSettings
+    from deployer.push.bootstrap import agent_settings
+    from deployer.push.facts import DeviceSite
+
+    (device,) = site.config.fleet.devices
+    written = yaml.safe_load(agent_settings(site.config, DeviceSite.of(site.config, device)))
+    assert AgentSettings.model_validate(written).device_class == "kiosk"
+    plain = site.config.model_copy(
+        update={
+            "fleet": site.config.fleet.model_copy(
+                update={"devices": [device.model_copy(update={"profile": None})]}
+            )
+        }
+    )
+    plain._path = site.config._path
+    assert "device_class" not in agent_settings(plain, DeviceSite.of(plain, plain.fleet.devices[0]))
