@@ -2,7 +2,8 @@
 
 An engine loads one artifact directory, warms up, turns chat messages or text into tokens,
 streams generated tokens, describes itself, and unloads. The server never knows which
-implementation (torch, llama.cpp) it is talking to.
+implementation (torch, llama.cpp) it is talking to. `EngineText` is the part any thread may
+call (text, facts); `Engine` adds what computes, for the engine thread alone.
 """
 
 from __future__ import annotations
@@ -106,10 +107,44 @@ def longest_prefix_slot(free: Sequence[int], prompt: Sequence[int], held: Sequen
     return max(free, key=lambda s: common_prefix(held[s], prompt))
 
 
-class Engine(abc.ABC):
-    """A loaded model. Every call that computes (load, warmup, stream, prefill, step, release,
-    unload) comes from one thread (the scheduler's engine thread); the text calls (chat_prompt,
-    encode, decode, end_ids, describe) may come from any thread, also while it generates.
+class EngineText(abc.ABC):
+    """What any thread may ask of an engine, also while its engine thread generates: turning
+    messages and text into ids and back, the ids that end generation, and the facts about the
+    model. Code on request threads holds an engine as this type, so the type checker refuses
+    a call that computes there (those are `Engine`'s, for the engine thread)."""
+
+    @abc.abstractmethod
+    def chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None = None) -> list[int]:
+        """Format messages (and the OpenAI `tools` the model may call) with the model's own chat
+        template and tokenize them."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Tokenize plain text (for /v1/completions)."""
+
+    def infill_prompt(self, prefix: str, suffix: str) -> list[int]:
+        """The fill-in-the-middle prompt for text between `prefix` and `suffix`; AgentError when the
+        model has no infill tokens."""
+        raise AgentError(f"the {type(self).__name__} engine cannot fill in the middle")
+
+    @abc.abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Ids to text, special tokens left out (the scheduler streams text through textstream)."""
+
+    @property
+    @abc.abstractmethod
+    def end_ids(self) -> frozenset[int]:
+        """Token ids that end generation (EOS, end of turn)."""
+
+    @abc.abstractmethod
+    def describe(self) -> EngineInfo:
+        """Facts about the loaded model and the kernels in use."""
+
+
+class Engine(EngineText):
+    """A loaded model. The calls declared here compute (load, warmup, stream, the batched steps,
+    embed, unload) and come from one thread, the scheduler's engine thread; the text calls of
+    `EngineText` may come from any thread.
 
     Two ways to generate. `stream` runs one sequence to its end (tests, benchmarks, warm-up).
     The batched step interface (`max_slots`, `prefill`, `step`, `release`) is what the scheduler
@@ -177,35 +212,12 @@ class Engine(abc.ABC):
         SamplingParams asked for logprobs)."""
 
     @abc.abstractmethod
-    def decode(self, ids: list[int]) -> str:
-        """Ids to text, special tokens left out (the scheduler streams text through textstream)."""
-
-    @property
-    @abc.abstractmethod
-    def end_ids(self) -> frozenset[int]:
-        """Token ids that end generation (EOS, end of turn)."""
-
-    @abc.abstractmethod
     def load(self, artifact_dir: Path) -> None:
         """Load the artifact (memory-mapped where possible). Raises SitsError subclasses on bad input."""
 
     @abc.abstractmethod
     def warmup(self) -> None:
         """Run a short generation so the first real request does not pay one-time costs."""
-
-    @abc.abstractmethod
-    def chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None = None) -> list[int]:
-        """Format messages (and the OpenAI `tools` the model may call) with the model's own chat
-        template and tokenize them."""
-
-    @abc.abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Tokenize plain text (for /v1/completions)."""
-
-    def infill_prompt(self, prefix: str, suffix: str) -> list[int]:
-        """The fill-in-the-middle prompt for text between `prefix` and `suffix`; AgentError when the
-        model has no infill tokens."""
-        raise AgentError(f"the {type(self).__name__} engine cannot fill in the middle")
 
     def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
         """Each text's embedding (the mean of the model's last hidden states, L2-normalised) and the
@@ -231,10 +243,6 @@ class Engine(abc.ABC):
         Stop strings end generation with finish_reason "stop" and are not included in the text.
         Closing the iterator early (client gone) must release the engine promptly.
         """
-
-    @abc.abstractmethod
-    def describe(self) -> EngineInfo:
-        """Facts about the loaded model and the kernels in use."""
 
     @abc.abstractmethod
     def unload(self) -> None:

@@ -3,7 +3,7 @@ L2-normalised, computed by the engine), as floats or as base64 of little-endian 
 official client asks for by default).
 
 An embedding runs on the active model's engine thread, so it never races the batch, in pieces
-(`Engine.embed_pieces`, the scheduler's `run_in_pieces`): a decode step of the running batch
+(`Engine.embed_pieces`, the scheduler's `embed`): a decode step of the running batch
 comes between two pieces, so streaming clients wait for one piece (inputs of up to
 EMBED_PIECE_TOKENS tokens together, or one longer input), not for the whole request. The lease
 is held only to hand the work over: the scheduler then keeps the model until it is done.
@@ -46,7 +46,7 @@ async def embed(
     try:
         with manager.lease() as served:
             check(served.info)
-            done = served.scheduler.run_in_pieces(served.engine.embed_pieces(texts))
+            done = served.scheduler.embed(texts)
         # A cancelled wait (the client left) cancels the future: the rest of the work is dropped.
         vectors, tokens = await asyncio.wrap_future(done)
     except Exception as exc:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
-from deployer.agent.engines.base import Engine
+from deployer.agent.engines.base import Engine, EngineText
 from deployer.agent.notify import lifecycle_event
 from deployer.agent.runtime.scheduler import Arrivals, Scheduler, SchedulerCounts, SchedulerLimits
 from deployer.agent.runtime.served import ServedModel
@@ -344,7 +344,7 @@ class ModelManager:
                 f"not ready after {elapsed:.1f} s (readiness_timeout_s {self._settings.readiness_timeout_s})",
             )
 
-    def _smoke(self, engine: Engine, scheduler: Scheduler) -> tuple[float, ...]:
+    def _smoke(self, engine: EngineText, scheduler: Scheduler) -> tuple[float, ...]:
         """Answer each smoke prompt greedily within the latency budget; return the times in ms."""
         budget = self._settings.latency_budget_ms
         times = []
@@ -403,7 +403,7 @@ class ModelManager:
         )
 
 
-def _loaded_event(engine: Engine, version: str) -> None:
+def _loaded_event(engine: EngineText, version: str) -> None:
     """One journal line per load: where the model runs and why (auto may have chosen the CPU on a
     device meant to use its GPU), and whether decode is compiled: what load time and speed hinge on."""
     info = engine.describe()

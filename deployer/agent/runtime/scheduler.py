@@ -448,6 +448,12 @@ class Scheduler:
             self._cond.notify()
         return future
 
+    def embed(self, texts: Sequence[str]) -> Future[tuple[list[list[float]], int]]:
+        """The engine's `embed_pieces` of `texts`, run in pieces (`run_in_pieces`): what a request
+        thread asks for embeddings with, since the engine computes only on its own thread.
+        AgentError at once when the engine has no embeddings."""
+        return self.run_in_pieces(self.engine.embed_pieces(texts))
+
     def counts(self) -> SchedulerCounts:
         """Requests running in the batch and waiting for a slot, now."""
         with self._cond:

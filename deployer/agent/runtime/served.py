@@ -14,7 +14,7 @@ import dataclasses
 import threading
 from pathlib import Path
 
-from deployer.agent.engines.base import Engine
+from deployer.agent.engines.base import Engine, EngineText
 from deployer.agent.notify import lifecycle_event
 from deployer.agent.runtime.scheduler import Scheduler
 from deployer.agent.types import EngineInfo
@@ -27,7 +27,8 @@ class ServedModel:
     """One loaded engine, its scheduler, and a lease count."""
 
     def __init__(self, engine: Engine, scheduler: Scheduler, artifact_dir: Path, version: str) -> None:
-        self.engine = engine
+        # Request threads tokenize and describe through it; what computes is the scheduler's.
+        self.engine: EngineText = engine
         self.scheduler = scheduler
         self.artifact_dir = artifact_dir
         self.version = version
@@ -76,7 +77,7 @@ class ServedModel:
 
     def _finish_unload(self) -> None:
         try:
-            self.engine.unload()
+            self.scheduler.engine.unload()  # on the engine thread: the scheduler's `final`
         finally:
             self.unloaded.set()
             lifecycle_event("unloaded", version=self.version, reason="no requests left on it")

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from deployer.agent.engines.base import Engine
+from deployer.agent.engines.base import EngineText
 from deployer.agent.notify import lifecycle_event
 from deployer.agent.openai.schemas import ApiError, ChatCompletionRequest, CompletionRequest
 from deployer.agent.runtime import scheduler
@@ -262,7 +262,7 @@ def _cancel_submitted(submitted: concurrent.futures.Future) -> None:
         submitted.result().cancel()
 
 
-def _tokenize(engine: Engine, job: Job) -> list[int]:
+def _tokenize(engine: EngineText, job: Job) -> list[int]:
     if job.messages is not None:
         return engine.chat_prompt(list(job.messages), tools=job.tools)
     if job.suffix is not None:
