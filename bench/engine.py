@@ -138,9 +138,10 @@ def run_ours(
     best_ttft, best_tps, tokens, text = float("inf"), 0.0, 0, ""
     for _ in range(repeats):
         engine.release(0)
-        engine._state[0].held = []  # no prefix reuse: time the whole prefill
-        if engine._drafter is not None:
-            engine._drafter.held = []  # the draft's too
+        attached = engine._require()
+        attached.slots[0].held = []  # no prefix reuse: time the whole prefill
+        if attached.drafter is not None:
+            attached.drafter.held = []  # the draft's too
         start = time.perf_counter()
         stamps, pieces = [], []
         for event in engine.stream(prompt, params):
@@ -152,7 +153,7 @@ def run_ours(
         tokens, text = len(stamps), "".join(pieces)
     info = engine.describe()
     return {
-        "mb_per_token": weight_bytes_read(engine._require().model) / 1e6,
+        "mb_per_token": weight_bytes_read(engine._require().loaded.model) / 1e6,
         "load_s": load_s,
         "ttft_ms": best_ttft * 1000,
         "decode_tps": best_tps,

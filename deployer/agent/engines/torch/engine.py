@@ -13,18 +13,14 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from llguidance import LLTokenizer
-from torch import nn
 
 from deployer.agent.chat import ChatTemplate, TextCodec, infill_prompt, read_tokenizer_config
 from deployer.agent.engines.base import (
@@ -38,17 +34,21 @@ from deployer.agent.engines.base import (
 )
 from deployer.agent.engines.logits import TokenProcessor, Vocabulary
 from deployer.agent.engines.textstream import token_events
-from deployer.agent.engines.torch import exact_ops
+from deployer.agent.engines.torch.compile import (
+    Decode,
+    chunk_lengths,
+    compile_drafter,
+    compile_in_background,
+    prefill_chunk,
+    prepare_decode,
+)
 from deployer.agent.engines.torch.loader import LoadedModel, load_draft, load_model, read_json
 from deployer.agent.engines.torch.model import as_token_ids
 from deployer.agent.engines.torch.qlinear import KERNEL_LINEAR
 from deployer.agent.engines.torch.sampling import Sampler, choose, new_generator
-from deployer.agent.engines.torch.speculative import DRAFT_TOKENS, DecodeFn, Drafter, accepted_run
+from deployer.agent.engines.torch.speculative import DRAFT_TOKENS, Drafter, accepted_run
 from deployer.agent.types import ChatMessage, EngineInfo, SamplingParams, TokenEvent, TokenLogprobs
 from deployer.errors import AgentError
-
-if TYPE_CHECKING:
-    from torch.cuda import _POOL_HANDLE
 
 _log = logging.getLogger("sits.agent")
 
@@ -59,15 +59,6 @@ WARMUP_TOKENS = 4
 # its highest slot.
 GRAPH_BUCKETS = (1, 2, 4, 8, 16)
 DEFAULT_SLOTS = {"cuda": 16, "cpu": 4}
-# Prompt chunk lengths a prefill is captured for on CUDA (those up to the cache length): a chunk
-# runs in the smallest that holds it, padded; a longer prompt runs in chunks of the largest.
-# Eager, a 32-token prefill launches about 1,200 kernels and took 18-29 ms on the H200's host.
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
-# Eager runs before a capture: the first compiles (when compiled), the others settle allocations.
-CAPTURE_WARMUP_RUNS = 3
-# What inductor's autotuner zeroes between timings of a generated kernel while the engine loads
-# on CUDA, in place of a buffer the size of the L2 (60 MB on an H200; see _small_tuning_flush).
-TUNING_FLUSH_BYTES = 1 << 20
 
 
 @dataclass
@@ -81,27 +72,6 @@ class _Slot:
     last: int | None = None
     sampler: Sampler | None = None
     ahead: list[int] = field(default_factory=list)
-
-
-Graph = tuple[torch.cuda.CUDAGraph, torch.Tensor]  # a captured graph and its logits
-
-
-@dataclass
-class _Decode:
-    """How prefill and decode steps run, and why (shown by describe()).
-
-    `compiled` means the decoder layers are compiled (CUDA: fixed shapes, then captured);
-    `step` is the whole decode step compiled as one graph (CPU), called with the keys in use.
-    """
-
-    compiled: bool = False
-    compile_note: str = "off"
-    step: DecodeFn | None = None
-    graphs: dict[int, Graph] = field(default_factory=dict)  # decode, by batch bucket
-    graph_note: str = "eager"
-    prefills: dict[int, Graph] = field(default_factory=dict)  # prefill, by chunk length
-    prefill_note: str = "eager"
-    ops_note: str = "torch"  # what the exact ops run (exact_ops.fused_kernels)
 
 
 @dataclass(frozen=True)
@@ -127,6 +97,33 @@ class _Inputs:
             )
 
         return cls(*pair(2, slots), *pair(3, chunk))
+
+
+@dataclass(frozen=True)
+class _Text:
+    """What load() read for text: the tokenizer, the chat template (None: the model has none),
+    the vocabulary for logit processing, and the ids that end generation."""
+
+    codec: TextCodec
+    template: ChatTemplate | None
+    vocab: Vocabulary
+    end_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class _Attached:
+    """One model as attach() set it up, dropped whole by unload(): an unloaded engine has none.
+
+    `text` and `drafter` come from load(); a model attached alone (built elsewhere) has neither,
+    and `draft_off` says why there is no drafter (describe)."""
+
+    loaded: LoadedModel
+    slots: list[_Slot]
+    io: _Inputs
+    decode: Decode
+    text: _Text | None = None
+    drafter: Drafter | None = None
+    draft_off: str = "off"
 
 
 def choose_device(device: str) -> tuple[str, str]:
@@ -178,7 +175,7 @@ class TorchEngine(Engine):
         intra-op thread count when given.
 
         `compile` is "auto", "on" or "off": auto compiles the decode layer on CUDA only. On a CPU
-        "on" compiles the whole decode step into one C++ graph (`_compile_step`), which decoded
+        "on" compiles the whole decode step into one C++ graph (compile.py), which decoded
         SmolLM2 int4 1.8x faster than eager, but its first build takes about a minute on two cores
         (seconds once inductor's on-disk cache holds it) and needs a C++ compiler on the device,
         so auto leaves it off there. `cuda_graphs` captures the decode step per batch bucket.
@@ -205,7 +202,6 @@ class TorchEngine(Engine):
         if draft not in ("off", "int4"):
             raise AgentError(f"draft must be off or int4, not {draft!r}")
         self._draft_scheme = draft
-        self._drafter: Drafter | None = None
         self._draft_off = "off"  # why there is no drafter (describe)
         if draft != "off" and kind == "cuda":
             # device auto may land here: the model serves, only without a draft.
@@ -218,15 +214,8 @@ class TorchEngine(Engine):
         self._compiled = threading.Event()  # set once no compile is in progress
         self._compiled.set()
         self._buckets = tuple(sorted({b for b in graph_buckets if 0 < b < self._slots} | {self._slots}))
-        self._loaded: LoadedModel | None = None
-        self._codec: TextCodec | None = None
-        self._template: ChatTemplate | None = None
-        self._vocab: Vocabulary | None = None
-        self._eos: frozenset[int] = frozenset()
+        self._attached: _Attached | None = None  # set by load() or attach(), dropped by unload()
         self._busy = threading.Lock()
-        self._state: list[_Slot] = []
-        self._decode = _Decode()
-        self._io: _Inputs | None = None
         self._reused = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -246,86 +235,63 @@ class TorchEngine(Engine):
         )
         codec = TextCodec.from_dir(artifact_dir)
         tok_config = read_tokenizer_config(artifact_dir)
-        self._template = ChatTemplate.from_dir(artifact_dir)
-        self._eos = frozenset(
+        end_ids = frozenset(
             set(loaded.args.eos_token_ids) | _generation_eos(artifact_dir) | codec.eos_ids(tok_config)
         )
-        self._codec = codec
-        self._vocab = _vocabulary(codec, loaded.args.vocab_size, self._eos)
-        # Before attach, which compiles the draft's step with the model's (in the background too).
-        self._drafter = self._load_draft(artifact_dir) if self._draft_scheme != "off" else None
-        self.attach(loaded)
+        text = _Text(
+            codec,
+            ChatTemplate.from_dir(artifact_dir),
+            _vocabulary(codec, loaded.args.vocab_size, end_ids),
+            end_ids,
+        )
+        # Before attaching, which compiles the draft's step with the model's (in the background too).
+        drafter, draft_off = (
+            self._load_draft(artifact_dir) if self._draft_scheme != "off" else (None, self._draft_off)
+        )
+        self._attach(loaded, text, drafter, draft_off)
 
     def attach(self, loaded: LoadedModel) -> None:
         """Serve a model built elsewhere (benchmarks on random weights: ids in, ids out, no text).
 
         Its cache must have been set up for this engine's slots.
         """
+        self._attach(loaded, None, None, self._draft_off)
+
+    def _attach(
+        self, loaded: LoadedModel, text: _Text | None, drafter: Drafter | None, draft_off: str
+    ) -> None:
+        """Prepare the decode step of `loaded` (compile, CUDA graphs), then serve it."""
         if loaded.model.slots != self._slots:
             raise AgentError(
                 f"the model's cache holds {loaded.model.slots} slots, the engine wants {self._slots}"
             )
-        self._loaded = loaded
-        self._state = [_Slot() for _ in range(self._slots)]
-        chunk = _chunk_lengths(loaded.model.max_len)[-1]
-        self._io = _Inputs.allocate(self._slots, chunk, loaded.device)
-        with _small_tuning_flush(loaded.device):
-            self._decode = _prepare(
-                loaded,
-                self._io.step,
-                self._io.prefill,
-                self._buckets,
-                self._want_compile and not self._background,
-                self._want_graphs,
-            )
+        io = _Inputs.allocate(self._slots, chunk_lengths(loaded.model.max_len)[-1], loaded.device)
+        decode = prepare_decode(
+            loaded,
+            io.step,
+            io.prefill,
+            self._buckets,
+            self._want_compile and not self._background,
+            self._want_graphs,
+        )
         if self._background:
-            self._compile_in_background(loaded, self._decode, torch.zeros_like(self._io.step))
-        elif self._want_compile and self._drafter is not None:
-            _compile_drafter(self._drafter, torch.zeros_like(self._io.step))
+            self._compiled = compile_in_background(loaded, decode, torch.zeros_like(io.step), drafter)
+        elif self._want_compile and drafter is not None:
+            compile_drafter(drafter, torch.zeros_like(io.step))
         if loaded.device.type == "cuda":
             torch.cuda.empty_cache()  # hand back what compiling and tuning left in the cache
+        slots = [_Slot() for _ in range(self._slots)]
+        self._attached = _Attached(loaded, slots, io, decode, text, drafter, draft_off)
 
-    def _load_draft(self, artifact_dir: Path) -> Drafter | None:
-        """The draft model of speculative decoding, or None where the model cannot have one (it
-        is stored in int4), with the reason kept for describe() and the journal."""
+    def _load_draft(self, artifact_dir: Path) -> tuple[Drafter | None, str]:
+        """(the draft model of speculative decoding, None where the model cannot have one: it is
+        stored in int4; why there is none, "" when there is one) for describe() and the journal."""
         try:
             draft = load_draft(artifact_dir, device=self._device, max_context=self._max_context)
         except AgentError as exc:
-            self._draft_off = f"off ({exc.message})"
             _log.warning("%s: no draft model: %s", artifact_dir.name, exc.message)
-            return None
-        return Drafter(draft)
-
-    def _compile_in_background(self, loaded: LoadedModel, decode: _Decode, io: torch.Tensor) -> None:
-        """Compile the CPU decode step on a thread of its own; `decode` takes it when it runs.
-
-        The trial decodes read `io` (not the engine's inputs, which serving steps use meanwhile)
-        and write only the scratch position, which no step attends to. The engine thread reads
-        `decode.step` at each step, so it switches between two steps. A model unloaded meanwhile
-        stays in memory until its compile ends; its result is then dropped with it.
-        """
-        done = threading.Event()
-        self._compiled = done
-        decode.compile_note = "compiling in the background (eager steps until it is ready)"
-        drafter = self._drafter  # compiled after the model's step, on the same thread
-        if drafter is not None:
-            drafter.note = "eager (compiling in the background)"
-        started = time.monotonic()
-
-        def work() -> None:
-            try:
-                step, note = _compile_step(loaded, io)
-            except Exception as exc:  # anything unforeseen: keep serving eager, say why
-                step, note = None, f"off (compile failed: {_first_line(exc)})"
-            decode.step = step  # before the note: the note never claims a step not in use
-            took = f", ready after {time.monotonic() - started:.0f} s" if step is not None else ""
-            decode.compile_note = note + took
-            _log.info("%s: decode step compile %s", loaded.facts.name, decode.compile_note)
-            if drafter is not None:
-                _compile_drafter(drafter, io)
-            done.set()
-
-        threading.Thread(target=work, name="sits-compile", daemon=True).start()
+            return None, f"off ({exc.message})"
+        return Drafter(draft), ""
 
     def wait_compiled(self, timeout_s: float | None = None) -> bool:
         """Wait for a compile running in the background (see `background_compile`; the draft
@@ -335,7 +301,7 @@ class TorchEngine(Engine):
 
     def warmup(self) -> None:
         """A short greedy generation, so kernels and allocations are ready for the first request."""
-        prompt = self.chat_prompt(WARMUP_MESSAGES) if self._template else self.encode("Hello")
+        prompt = self.chat_prompt(WARMUP_MESSAGES) if self._require_text().template else self.encode("Hello")
         for _ in self.stream(prompt, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0)):
             pass
 
@@ -344,9 +310,7 @@ class TorchEngine(Engine):
 
         A generation still running keeps its own reference and frees the model when it ends.
         """
-        self._loaded = self._codec = self._template = self._vocab = None
-        self._decode, self._io, self._state = _Decode(), None, []
-        self._drafter = None
+        self._attached = None
         gc.collect()
         if self._device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -355,25 +319,25 @@ class TorchEngine(Engine):
 
     def chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None = None) -> list[int]:
         """Messages (and tools) formatted with the model's chat template, then tokenized."""
-        codec = self._require_text()
-        if self._template is None:
+        text = self._require_text()
+        if text.template is None:
             raise AgentError(
                 "this model has no chat template", hint="use /v1/completions with a plain prompt"
             )
-        text = self._template.render(messages, add_generation_prompt=True, tools=tools)
-        return codec.encode(text, add_special_tokens=False)
+        rendered = text.template.render(messages, add_generation_prompt=True, tools=tools)
+        return text.codec.encode(rendered, add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids, with the tokenizer's own special tokens (e.g. BOS) if it adds any."""
-        return self._require_text().encode(text, add_special_tokens=True)
+        return self._require_text().codec.encode(text, add_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
         """Ids to text, special tokens left out."""
-        return self._require_text().decode(ids)
+        return self._require_text().codec.decode(ids)
 
     def infill_prompt(self, prefix: str, suffix: str) -> list[int]:
         """The fill-in-the-middle prompt, with the tokenizer's FIM tokens (AgentError without)."""
-        codec = self._require_text()
+        codec = self._require_text().codec
         return infill_prompt(
             codec.token_id, lambda text: codec.encode(text, add_special_tokens=False), prefix, suffix
         )
@@ -381,7 +345,7 @@ class TorchEngine(Engine):
     def embed_pieces(self, texts: Sequence[str]) -> Embedding:
         """Mean of the last hidden states over each text's tokens, L2-normalised, in pieces; see
         Engine.embed_pieces. Runs outside the KV cache: no slot is needed or disturbed."""
-        loaded, codec = self._require(), self._require_text()
+        loaded, codec = self._require().loaded, self._require_text().codec
         vectors: list[list[float]] = []
         count = 0
         inputs = (codec.encode(text, add_special_tokens=True) for text in texts)
@@ -405,8 +369,10 @@ class TorchEngine(Engine):
 
     @property
     def end_ids(self) -> frozenset[int]:
-        """EOS and end-of-turn ids (config.json, generation_config.json, tokenizer config)."""
-        return self._eos
+        """EOS and end-of-turn ids (config.json, generation_config.json, tokenizer config); none
+        without a loaded tokenizer."""
+        attached = self._attached
+        return attached.text.end_ids if attached is not None and attached.text is not None else frozenset()
 
     # -- batched steps ---------------------------------------------------------------------
 
@@ -417,7 +383,7 @@ class TorchEngine(Engine):
 
     def choose_slot(self, free: Sequence[int], prompt: Sequence[int]) -> int:
         """See Engine.choose_slot: the free slot holding the longest prefix of `prompt`."""
-        return longest_prefix_slot(free, prompt, [state.held for state in self._state])
+        return longest_prefix_slot(free, prompt, [state.held for state in self._require().slots])
 
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams) -> int:
         """Start `slot` on `prompt`; see Engine.prefill and prefill_many."""
@@ -434,7 +400,7 @@ class TorchEngine(Engine):
         same prompt). A prompt with more than its last token left runs as a prefill; those with only
         the last token left run together in one decode step, as a batch runs (so four cached
         prompts cost about one step, not four prefills), and the same way when alone."""
-        loaded = self._require()
+        attached = self._require()
         slots = [slot for slot, _, _ in items]
         if len(set(slots)) != len(slots):
             raise AgentError(f"slots {slots} name a slot twice")
@@ -442,10 +408,11 @@ class TorchEngine(Engine):
         last_only: list[tuple[int, _Slot]] = []
         for slot, prompt, params in items:
             try:
-                state, ids, start = self._prepare_prompt(loaded, slot, prompt, params)
-                sampler = Sampler(params, new_generator(params.seed, loaded.device), self._processor(params))
+                state, ids, start = self._prepare_prompt(attached, slot, prompt, params)
+                generator = new_generator(params.seed, attached.loaded.device)
+                sampler = Sampler(params, generator, _processor(attached.text, params))
                 if start < len(ids) - 1:
-                    logits = self._run_prompt(loaded, slot, ids, start)
+                    logits = self._run_prompt(attached, slot, ids, start)
                     state.held, state.last = ids, token_of(choose(logits, [sampler])[0])
                     state.sampler = sampler
                     results[slot] = state.last
@@ -455,22 +422,22 @@ class TorchEngine(Engine):
             except Exception as exc:  # this request alone
                 results[slot] = exc
         if last_only:
-            results.update(self._advance(loaded, last_only))
+            results.update(self._advance(attached, last_only))
         return [results[slot] for slot in slots]
 
     def _prepare_prompt(
-        self, loaded: LoadedModel, slot: int, prompt: Sequence[int], params: SamplingParams
+        self, attached: _Attached, slot: int, prompt: Sequence[int], params: SamplingParams
     ) -> tuple[_Slot, list[int], int]:
         """Check `prompt` for `slot` and give the slot's cache the longest prefix of it that any
         slot holds; (the slot's state, the prompt, how many leading tokens its cache holds now)."""
-        state = self._slot(slot)
+        loaded, state = attached.loaded, self._slot(slot)
         token_budget(prompt, params, loaded.model.max_len)
         ids = list(prompt)
         vocabulary = loaded.model.args.vocab_size
         if bad := next((t for t in ids if not 0 <= t < vocabulary), None):
             # Checked here: in a batched step one bad id would fail the other requests too.
             raise AgentError(f"token id {bad} is not in the vocabulary of {vocabulary} tokens")
-        donor, start = prefix_donor(slot, ids, [s.held for s in self._state])
+        donor, start = prefix_donor(slot, ids, [s.held for s in attached.slots])
         if donor is not None:
             loaded.model.copy_prefix(donor, slot, start)
         # What the slot held past `start` is overwritten from here on.
@@ -478,17 +445,18 @@ class TorchEngine(Engine):
         self._reused += start
         return state, ids, start
 
-    def _run_prompt(self, loaded: LoadedModel, slot: int, prompt: list[int], start: int) -> torch.Tensor:
+    def _run_prompt(self, attached: _Attached, slot: int, prompt: list[int], start: int) -> torch.Tensor:
         """Write prompt[start:] into `slot`'s cache; the logits [1, V] of its last token.
 
         On CUDA in chunks of the captured lengths, replayed, or run eager with the very same
         shapes when there are no graphs (the same kernels, so the same tokens); on a CPU in one go.
         """
+        loaded = attached.loaded
         if loaded.device.type != "cuda":
             ids = torch.tensor([prompt[start:]], dtype=torch.long, device=loaded.device)
             return loaded.model.prefill(ids, slot, start)[0]
-        graphs = self._decode.prefills
-        io, pinned = self._inputs().prefill, self._inputs().prefill_host
+        graphs = attached.decode.prefills
+        io, pinned = attached.io.prefill, attached.io.prefill_host
         host, largest = pinned.numpy(), io.shape[1]
         while True:
             n = min(largest, len(prompt) - start)
@@ -498,12 +466,12 @@ class TorchEngine(Engine):
             host[1, :n] = np.arange(start, start + n)
             host[2, :2] = slot, n - 1
             io.copy_(pinned, non_blocking=True)
-            length = next(b for b in _chunk_lengths(largest) if b >= n)
+            length = next(b for b in chunk_lengths(largest) if b >= n)
             if graphs:
                 graph, logits = graphs[length]
                 graph.replay()
             else:
-                logits = _prefill_chunk(loaded, io, length)
+                logits = prefill_chunk(loaded, io, length)
             start += n
             if start == len(prompt):
                 return logits
@@ -517,7 +485,8 @@ class TorchEngine(Engine):
         The step runs cache rows 0..max(slots) together (a captured graph on CUDA), so a scheduler
         that fills the lowest free slots first runs the smallest batches.
         """
-        loaded = self._require()
+        attached = self._require()
+        loaded = attached.loaded
         states = [self._slot(s) for s in slots]
         if not slots or len(set(slots)) != len(slots):
             raise AgentError(f"step needs distinct slots, got {list(slots)}")
@@ -533,43 +502,32 @@ class TorchEngine(Engine):
                     hint="stop at the token budget (token_budget) or release the slot",
                 )
         live = [(s, state) for s, state in zip(slots, states, strict=True) if s not in results]
-        if len(live) == 1 and self._speculates(loaded, live[0][1]):
-            results.update(self._speculate(loaded, *live[0]))
+        if len(live) == 1 and _speculates(attached, live[0][1]):
+            results.update(self._speculate(attached, *live[0]))
         elif live:
-            results.update(self._advance(loaded, live))
+            results.update(self._advance(attached, live))
         for s, state in zip(slots, states, strict=True):
             if isinstance(results[s], Exception):
                 state.last = state.sampler = None  # the sequence has ended
         return [results[s] for s in slots]
 
-    def _speculates(self, loaded: LoadedModel, state: _Slot) -> bool:
-        """Whether the lone running `state` steps speculatively: a draft is loaded, the sequence
-        is greedy with nothing processing its logits, and its cache has room for a round."""
-        sampler = state.sampler
-        return (
-            self._drafter is not None
-            and sampler is not None
-            and sampler.greedy
-            and sampler.processor is None
-            and len(state.held) + 1 < loaded.model.max_len
-        )
-
-    def _speculate(self, loaded: LoadedModel, slot: int, state: _Slot) -> dict[int, int | Exception]:
+    def _speculate(self, attached: _Attached, slot: int, state: _Slot) -> dict[int, int | Exception]:
         """One speculative round of `slot`: the draft proposes, one prefill pass of the model over
         `last` and the proposals writes them into the cache and picks after each; the agreed run
         and the model's next pick are the round's tokens. The first is returned, the others wait
         in `ahead`; cache rows past the agreed run are overwritten by later rounds and hidden by
         position meanwhile."""
-        assert self._drafter is not None and state.last is not None
+        drafter, loaded = attached.drafter, attached.loaded
+        assert drafter is not None and state.last is not None
         start = len(state.held)
         count = min(DRAFT_TOKENS, loaded.model.max_len - start - 1)
-        proposed = self._drafter.propose(state.held, state.last, count)
+        proposed = drafter.propose(state.held, state.last, count)
         if not proposed:  # the draft was unsure of its first token: a plain step
-            return self._advance(loaded, [(slot, state)])
+            return self._advance(attached, [(slot, state)])
         ids = torch.tensor([[state.last, *proposed]], dtype=torch.long, device=loaded.device)
         checked = loaded.model.prefill(ids, slot, start, all_logits=True)[0].argmax(dim=-1).tolist()
         run = accepted_run(proposed, checked)
-        stats = self._drafter.stats
+        stats = drafter.stats
         stats.rounds += 1
         stats.proposed += len(proposed)
         stats.accepted += len(run) - 1
@@ -577,10 +535,10 @@ class TorchEngine(Engine):
         state.last, state.ahead = run[-1], run[1:]
         return {slot: run[0]}
 
-    def _advance(self, loaded: LoadedModel, live: list[tuple[int, _Slot]]) -> dict[int, int | Exception]:
+    def _advance(self, attached: _Attached, live: list[tuple[int, _Slot]]) -> dict[int, int | Exception]:
         """One decode step of the `live` slots: each one's `last` goes into its cache and its next
         token becomes `last`; a slot whose step failed (its logit processing) stops running."""
-        results = self._decode_step(loaded, live)
+        results = self._decode_step(attached, live)
         for s, state in live:
             result = results[s]
             if isinstance(result, Exception):
@@ -591,8 +549,9 @@ class TorchEngine(Engine):
                 state.last = result
         return results
 
-    def _decode_step(self, loaded: LoadedModel, live: list[tuple[int, _Slot]]) -> dict[int, int | Exception]:
+    def _decode_step(self, attached: _Attached, live: list[tuple[int, _Slot]]) -> dict[int, int | Exception]:
         """Run one decode step of the `live` (slot, state) pairs; each slot's token or error."""
+        loaded, decode, inputs = attached.loaded, attached.decode, attached.io
         slots = [s for s, _ in live]
         states = [state for _, state in live]
         rows = max(slots) + 1
@@ -601,7 +560,6 @@ class TorchEngine(Engine):
         bucket = next((b for b in self._buckets if b >= rows), rows) if cuda else rows
         # Written through numpy (a torch element write costs microseconds of dispatch) into pinned
         # memory, then one copy: the previous step's copy is done, its tokens were read back.
-        inputs = self._inputs()
         host = inputs.step_host.numpy()
         host[0, :bucket] = 0
         host[1, :bucket] = loaded.model.scratch_position
@@ -609,7 +567,7 @@ class TorchEngine(Engine):
             host[0, s], host[1, s] = state.last, len(state.held)
         io = inputs.step
         io.copy_(inputs.step_host, non_blocking=True)
-        graph = self._decode.graphs.get(bucket)
+        graph = decode.graphs.get(bucket)
         if graph is not None:
             graph[0].replay()
             logits = graph[1]
@@ -618,8 +576,8 @@ class TorchEngine(Engine):
             # fixed shapes (the graphs' kernels; else every new length would compile again). The
             # CPU's compiled step has symbolic lengths.
             in_use = max(len(state.held) for state in states) + 1
-            step = self._decode.step or loaded.model.decode
-            logits = step(io[0, :bucket], io[1, :bucket], None if self._decode.compiled or cuda else in_use)
+            step = decode.step or loaded.model.decode
+            logits = step(io[0, :bucket], io[1, :bucket], None if decode.compiled or cuda else in_use)
         tokens = choose(logits[:rows], _samplers_for(states, slots))
         return {s: tokens[s] for s in slots}
 
@@ -634,29 +592,19 @@ class TorchEngine(Engine):
         sampler = self._slot(slot).sampler
         return None if sampler is None else sampler.logprobs
 
-    def _processor(self, params: SamplingParams) -> TokenProcessor | None:
-        if not params.processed:
-            return None
-        if self._vocab is None:
-            raise AgentError(
-                "logit processing (bias, penalties, grammars, logprobs) needs the model's tokenizer",
-                hint="load the model with load()",
-            )
-        return TokenProcessor(params, self._vocab)
-
     def _slot(self, slot: int) -> _Slot:
-        self._require()
+        slots = self._require().slots
         if not isinstance(slot, int) or not 0 <= slot < self._slots:
             raise AgentError(f"slot {slot!r} does not exist: this engine has slots 0..{self._slots - 1}")
-        return self._state[slot]
+        return slots[slot]
 
     # -- generation ------------------------------------------------------------------------
 
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
         """Generate from `prompt` in slot 0; see Engine.stream. Raises AgentError for a prompt that
         does not fit the context, bad sampling parameters, or a call while another generation runs."""
-        loaded = self._require()
-        return self._generate(prompt, params, token_budget(prompt, params, loaded.model.max_len))
+        attached = self._require()
+        return self._generate(prompt, params, token_budget(prompt, params, attached.loaded.model.max_len))
 
     def _generate(self, prompt: list[int], params: SamplingParams, budget: int) -> Iterator[TokenEvent]:
         # Taken on the first next(), inside the generator, so an iterator that is never started
@@ -664,16 +612,17 @@ class TorchEngine(Engine):
         if not self._busy.acquire(blocking=False):
             raise AgentError("the engine is already generating", hint="serialize calls to stream()")
         try:
+            text = self._require_text()
             yield from token_events(
                 self._tokens(prompt, params),
-                self._require_text().decode,
+                text.codec.decode,
                 stops=params.stop,
-                end_ids=self._eos,
+                end_ids=text.end_ids,
                 budget=budget,
                 logprobs=(lambda: self.logprobs(0)) if params.logprobs is not None else None,
             )
         finally:
-            if self._loaded is not None:
+            if self._attached is not None:
                 self.release(0)
             self._busy.release()
 
@@ -685,11 +634,12 @@ class TorchEngine(Engine):
     @torch.inference_mode()
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """fp32 logits [T, V] of every position of `tokens`, run in slot 0 (tests, quality checks)."""
-        loaded = self._require()
+        attached = self._require()
+        loaded = attached.loaded
         with self._busy:
             ids = torch.tensor([tokens], dtype=torch.long, device=loaded.device)
             out = loaded.model.prefill(ids, 0, 0, all_logits=True)[0].float().cpu()
-            self._state[0] = _Slot(held=list(tokens))
+            attached.slots[0] = _Slot(held=list(tokens))
             return out
 
     # -- facts -----------------------------------------------------------------------------
@@ -697,11 +647,12 @@ class TorchEngine(Engine):
     @property
     def layer_kernels(self) -> dict[str, str]:
         """The kernel each linear layer runs, by module name."""
-        return dict(self._require().kernels)
+        return dict(self._require().loaded.kernels)
 
     def describe(self) -> EngineInfo:
         """Model, quantization, the matmul kernel in use, device, context, and how decode runs."""
-        loaded = self._require()
+        attached = self._require()
+        loaded, decode = attached.loaded, attached.decode
         counts = Counter(k for name, k in loaded.kernels.items() if name != "lm_head")
         kernel = "+".join(sorted(counts)) if counts else KERNEL_LINEAR
         return EngineInfo(
@@ -722,40 +673,26 @@ class TorchEngine(Engine):
                 "kv_cache": str(loaded.model.kv_dtype).removeprefix("torch."),
                 "architecture": loaded.args.architecture,
                 "slots": str(self._slots),
-                "decode": self._decode.graph_note,
-                "prefill": self._decode.prefill_note,
-                "compile": self._decode.compile_note,
-                "fused_ops": self._decode.ops_note,
+                "decode": decode.graph_note,
+                "prefill": decode.prefill_note,
+                "compile": decode.compile_note,
+                "fused_ops": decode.ops_note,
                 "prefix_tokens_reused": str(self._reused),
-                "draft": self._draft_note(),
+                "draft": _draft_note(attached),
             },
         )
 
-    def _draft_note(self) -> str:
-        if self._drafter is None:
-            return self._draft_off
-        return (
-            f"{self._drafter.loaded.facts.quantization}, up to {DRAFT_TOKENS} proposals a round, "
-            f"{self._drafter.note}, "
-            f"for a lone greedy sequence: {self._drafter.stats.describe()}"
-        )
-
-    def _require(self) -> LoadedModel:
-        if self._loaded is None:
+    def _require(self) -> _Attached:
+        attached = self._attached
+        if attached is None:
             raise AgentError("no model is loaded in this engine", hint="call load() first")
-        return self._loaded
+        return attached
 
-    def _inputs(self) -> _Inputs:
-        self._require()
-        if self._io is None:
-            raise AgentError("the engine has no model attached", hint="call load() first")
-        return self._io
-
-    def _require_text(self) -> TextCodec:
-        self._require()
-        if self._codec is None:
+    def _require_text(self) -> _Text:
+        text = self._require().text
+        if text is None:
             raise AgentError("this engine was given a model without a tokenizer", hint="use load()")
-        return self._codec
+        return text
 
 
 _GREEDY = Sampler(SamplingParams(temperature=0), torch.Generator())
@@ -769,214 +706,41 @@ def _samplers_for(states: Sequence[_Slot], slots: Sequence[int]) -> list[Sampler
     return rows
 
 
-def _prepare(
-    loaded: LoadedModel,
-    io: torch.Tensor,
-    prefill_io: torch.Tensor,
-    buckets: Sequence[int],
-    want_compile: bool,
-    want_graphs: bool,
-) -> _Decode:
-    """Compile the decode layer, capture the decode step per batch bucket and the prefill per
-    chunk length, where asked and possible; what cannot falls back to eager, with the reason
-    kept for describe()."""
-    decode = _Decode()
-    layers = loaded.model.model.layers
-    # On CUDA the exact ops run fused Triton kernels: eager steps call them as compiled ones do.
-    decode.ops_note = exact_ops.fused_kernels(loaded.device)  # built and checked before a capture
-    loaded.model.use_exact_ops(loaded.device.type == "cuda")
-    if want_compile and loaded.device.type == "cpu":
-        decode.step, decode.compile_note = _compile_step(loaded, io)
-    elif want_compile:
-        decode.compiled, decode.compile_note = _compile_layers(loaded, io)
-    if not decode.compiled:
-        _uncompile(layers)  # an earlier engine on the same model may have compiled them
-    if not want_graphs:
-        note = "eager (CUDA graphs are for CUDA devices)" if loaded.device.type != "cuda" else "eager (off)"
-        decode.graph_note = decode.prefill_note = note
-        return decode
-    pool = torch.cuda.graph_pool_handle()
-    # One stream for every warm-up and capture: cuBLAS keeps a workspace per stream.
-    stream = torch.cuda.Stream()
-    try:
-        for bucket in sorted(buckets, reverse=True):  # the largest first: the others fit in its pool
-            decode.graphs[bucket] = _capture_decode(loaded, io, bucket, pool, stream)
-        decode.graph_note = f"cuda-graph buckets {','.join(map(str, sorted(decode.graphs)))}"
-    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-        # Out of memory (or a kernel that cannot be captured): eager steps still work.
-        decode.graphs.clear()
-        _settle()
-        decode.graph_note = f"eager (capture failed: {_first_line(exc)})"
-        error = _try_decode(loaded, io) if decode.compiled else None
-        if error:
-            _uncompile(layers)
-            decode.compiled, decode.compile_note = False, f"off (failed after capture: {error})"
-    try:
-        for length in sorted(_chunk_lengths(prefill_io.shape[1]), reverse=True):
-            decode.prefills[length] = _capture_prefill(loaded, prefill_io, length, pool, stream)
-        if decode.prefills:
-            decode.prefill_note = f"cuda-graph chunks {','.join(map(str, sorted(decode.prefills)))}"
-    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-        decode.prefills.clear()
-        _settle()
-        decode.prefill_note = f"eager (capture failed: {_first_line(exc)})"
-    return decode
+def _speculates(attached: _Attached, state: _Slot) -> bool:
+    """Whether the lone running `state` steps speculatively: a draft is loaded, the sequence is
+    greedy with nothing processing its logits, and its cache has room for a round."""
+    sampler = state.sampler
+    return (
+        attached.drafter is not None
+        and sampler is not None
+        and sampler.greedy
+        and sampler.processor is None
+        and len(state.held) + 1 < attached.loaded.model.max_len
+    )
 
 
-@contextmanager
-def _small_tuning_flush(device: torch.device) -> Iterator[None]:
-    """While the engine compiles on CUDA, inductor's autotuner flushes with TUNING_FLUSH_BYTES.
-
-    Inductor times the candidate configs of each kernel it generates after zeroing a buffer the
-    size of the L2: 60 MB on an H200, beside the weights and the KV cache, more than the whole
-    20% memory margin of a small model. The kernels it tunes here are the decode layer's norms,
-    rope and cache writes, whose inputs the kernel before them has just written: in a decode step
-    they run from the L2, so timing them warm is no loss. The benchmarker reads an `L2_cache_size`
-    set on the instance before the device's (torch 2.11-2.13); one without it is left alone.
-    """
-    if device.type != "cuda":
-        yield
-        return
-    from torch._inductor.runtime import benchmarking
-
-    state = benchmarking.benchmarker.__dict__
-    saved = state.get("L2_cache_size")
-    state["L2_cache_size"] = TUNING_FLUSH_BYTES
-    try:
-        yield
-    finally:
-        if saved is None:
-            state.pop("L2_cache_size", None)
-        else:
-            state["L2_cache_size"] = saved
+def _processor(text: _Text | None, params: SamplingParams) -> TokenProcessor | None:
+    """What processes the logits of a request with `params` (None: nothing does)."""
+    if not params.processed:
+        return None
+    if text is None:
+        raise AgentError(
+            "logit processing (bias, penalties, grammars, logprobs) needs the model's tokenizer",
+            hint="load the model with load()",
+        )
+    return TokenProcessor(params, text.vocab)
 
 
-def _settle() -> None:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def _compile_layers(loaded: LoadedModel, io: torch.Tensor) -> tuple[bool, str]:
-    """Compile each decoder layer's decode step (one compiled code, shared by every layer), with
-    exact ops and inductor rounding as eager does (exact_ops), so it gives the eager tokens."""
-    layers = loaded.model.model.layers
-    loaded.model.use_exact_ops(True)  # as _prepare does for every CUDA model, eager or not
-    for layer in layers:
-        layer.compile(fullgraph=True, dynamic=False, options=exact_ops.EMULATE_CASTS)
-    error = _try_decode(loaded, io)
-    if error is None:
-        return True, "on (decode layer, inductor)"
-    _uncompile(layers)
-    return False, f"off (compile failed: {error})"
-
-
-def _compile_step(loaded: LoadedModel, io: torch.Tensor) -> tuple[DecodeFn | None, str]:
-    """The whole decode step as one inductor graph with a C++ wrapper (CPU), or None and why not.
-
-    Per layer, eager decode dispatches about 60 small ops from Python, and a compiled layer
-    pays a Python wrapper per kernel; one graph with a C++ wrapper calls its fused kernels and
-    the matmuls from C++ (SmolLM2 int4, 2 threads: 6.4 against 11.6 ms a step). The number of
-    keys attended and the batch are symbolic, so growing sequences do not compile again; a
-    batch of one and a batch of more are two graphs (torch specializes size 1), both built here.
-    """
-    step = torch.compile(loaded.model.decode, fullgraph=True, dynamic=True, options={"cpp_wrapper": True})
-    batches = sorted({1, min(2, loaded.model.slots)})
-    for batch in batches:
-        error = _try_decode(loaded, io, step, batch)
-        if error is not None:
-            return None, f"off (compile failed: {error})"
-    return step, "on (decode step, inductor C++ wrapper)"
-
-
-def _compile_drafter(drafter: Drafter, io: torch.Tensor) -> None:
-    """Compile the draft model's decode step as the model's (`_compile_step`); where it fails
-    the draft decodes eager, and its note says why."""
-    try:
-        step, note = _compile_step(drafter.loaded, io)
-    except Exception as exc:  # anything unforeseen: the draft proposes from eager steps
-        step, note = None, f"off (compile failed: {_first_line(exc)})"
-    drafter.step = step  # before the note, as for the model's step
-    reason = note.removeprefix("off (").removesuffix(")")
-    drafter.note = "compiled" if step is not None else f"eager ({reason})"
-    if step is None:
-        _log.warning("%s: the draft model decodes eager: %s", drafter.loaded.facts.name, note)
-
-
-def _uncompile(layers: nn.ModuleList) -> None:
-    for layer in layers:
-        layer._compiled_call_impl = None  # what nn.Module.compile set: back to eager
-
-
-@torch.inference_mode()
-def _try_decode(
-    loaded: LoadedModel, io: torch.Tensor, step: DecodeFn | None = None, batch: int = 1
-) -> str | None:
-    """One decode of `batch` rows at the scratch position, through `step` (with the keys up to
-    two positions: 0 and 1 would be specialized) or the model's fixed-shape decode: None when
-    it ran, else why not."""
-    io[0, :batch] = 0
-    io[1, :batch] = loaded.model.scratch_position
-    tokens, positions = io[0, :batch], io[1, :batch]
-    try:
-        if step is None:
-            loaded.model.decode(tokens, positions)
-        else:
-            step(tokens, positions, 2)
-    except Exception as exc:  # torch.compile raises many kinds (no compiler, backend bugs)
-        return _first_line(exc)
-    return None
-
-
-def _capture_decode(
-    loaded: LoadedModel, io: torch.Tensor, bucket: int, pool: _POOL_HANDLE, stream: torch.cuda.Stream
-) -> Graph:
-    """A CUDA graph of one decode step over rows 0..bucket-1 reading `io`, and its logits."""
-    io[0, :bucket] = 0
-    io[1, :bucket] = loaded.model.scratch_position  # warm-up and capture write only there
-    tokens, positions = io[0, :bucket], io[1, :bucket]
-    return _capture(lambda: loaded.model.decode(tokens, positions), pool, stream)
-
-
-def _capture_prefill(
-    loaded: LoadedModel, io: torch.Tensor, length: int, pool: _POOL_HANDLE, stream: torch.cuda.Stream
-) -> Graph:
-    """A CUDA graph of one prefill chunk of `length` tokens reading `io` (see _run_prompt)."""
-    io[0] = 0
-    io[1] = loaded.model.scratch_position  # warm-up and capture write only there
-    io[2] = 0
-    return _capture(lambda: _prefill_chunk(loaded, io, length), pool, stream)
-
-
-def _prefill_chunk(loaded: LoadedModel, io: torch.Tensor, length: int) -> torch.Tensor:
-    """One prefill chunk of `length` tokens as `io` [3, chunk] holds it (see _run_prompt): the
-    logits [1, V] of its last token."""
-    tokens, positions, slot, last = io[0:1, :length], io[1, :length], io[2, :1], io[2, 1:2]
-    return loaded.model.prefill_fixed(tokens, slot, positions, last)
-
-
-def _chunk_lengths(width: int) -> list[int]:
-    """The prefill chunk lengths (PREFILL_BUCKETS) that fit a chunk buffer of `width` tokens, the
-    shortest first; `width` itself when none does."""
-    return [b for b in PREFILL_BUCKETS if b <= width] or [width]
-
-
-@torch.inference_mode()
-def _capture(run: Callable[[], torch.Tensor], pool: _POOL_HANDLE, stream: torch.cuda.Stream) -> Graph:
-    """Warm `run` up on `stream`, then capture it there; the graph and its output."""
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(CAPTURE_WARMUP_RUNS):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        out = run()
-    return graph, out
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+def _draft_note(attached: _Attached) -> str:
+    """The draft model as describe() tells it: how it decodes and how speculation went."""
+    drafter = attached.drafter
+    if drafter is None:
+        return attached.draft_off
+    return (
+        f"{drafter.loaded.facts.quantization}, up to {DRAFT_TOKENS} proposals a round, "
+        f"{drafter.note}, "
+        f"for a lone greedy sequence: {drafter.stats.describe()}"
+    )
 
 
 def _vocabulary(codec: TextCodec, n_logits: int, end_ids: frozenset[int]) -> Vocabulary:

@@ -163,11 +163,11 @@ def test_an_engine_with_compile_off_runs_eager_layers_on_a_model_compiled_before
     from deployer.agent.engines.torch.engine import TorchEngine
 
     compiled = engine_on(varied_model_dir)
-    layers = compiled._loaded.model.model.layers
+    layers = compiled._require().loaded.model.model.layers
     for layer in layers:
         layer.compile()  # lazy: as an engine with compile on leaves them, without compiling here
     eager = TorchEngine(max_context=256, slots=4, compile="off")
-    eager.attach(compiled._loaded)
+    eager.attach(compiled._require().loaded)
     assert all(layer._compiled_call_impl is None for layer in layers)
     assert eager.describe().extra["compile"] == "off"
 
@@ -218,10 +218,10 @@ def test_compiled_decode_layers_give_the_eager_logits_bit_for_bit_in_bf16(varied
     # The engine's CUDA compile (_compile_layers: exact ops on, each decode layer compiled with
     # exact_ops.EMULATE_CASTS), run here by inductor's CPU backend. With neither, the compiled
     # layers' logits differed from eager by up to 0.0078 (torch 2.13).
-    from deployer.agent.engines.torch.engine import _compile_layers
+    from deployer.agent.engines.torch.compile import _compile_layers
 
     engine = engine_on(varied_model_dir, dtype="bf16", compile="off")
-    loaded = engine._require()
+    loaded = engine._require().loaded
     model, ids = loaded.model, engine.encode(PROMPTS[1])
 
     def decode_each() -> torch.Tensor:
@@ -236,7 +236,7 @@ def test_compiled_decode_layers_give_the_eager_logits_bit_for_bit_in_bf16(varied
 
     eager = decode_each()
     torch._dynamo.utils.counters.clear()
-    compiled, note = _compile_layers(loaded, engine._inputs().step)
+    compiled, note = _compile_layers(loaded, engine._require().io.step)
     assert compiled, note
     assert torch.equal(decode_each(), eager)
     # Every layer runs one compiled code per batch size (1 in the compile's trial, 2 here): a
@@ -247,28 +247,28 @@ def test_compiled_decode_layers_give_the_eager_logits_bit_for_bit_in_bf16(varied
 def test_a_background_compile_serves_eager_steps_until_the_compiled_step_is_ready(
     varied_model_dir, engine, engine_on, monkeypatch
 ):
-    from deployer.agent.engines.torch import engine as torch_engine
+    from deployer.agent.engines.torch import compile as torch_compile
 
     # Hold the compile until the engine has served eager steps: a deterministic "while compiling".
-    release, compile_step = threading.Event(), torch_engine._compile_step
+    release, compile_step = threading.Event(), torch_compile._compile_step
 
     def held(loaded, io):
         assert release.wait(60), "the test never released the compile"
         return compile_step(loaded, io)
 
-    monkeypatch.setattr(torch_engine, "_compile_step", held)
+    monkeypatch.setattr(torch_compile, "_compile_step", held)
     compiling = engine_on(varied_model_dir, slots=4, compile="on", background_compile=True)
     assert compiling.describe().extra["compile"].startswith("compiling in the background")
     assert not compiling.wait_compiled(0)
     prompt = engine.encode(PROMPTS[0])
     want = run(engine, 0, prompt, GREEDY, 64)
     first = [compiling.prefill(0, prompt, GREEDY)] + [compiling.step([0])[0] for _ in range(31)]
-    assert compiling._decode.step is None  # those 32 tokens came from eager steps
+    assert compiling._require().decode.step is None  # those 32 tokens came from eager steps
     release.set()
     assert compiling.wait_compiled(300)
     note = compiling.describe().extra["compile"]
     assert note.startswith("on (decode step, inductor C++ wrapper), ready after "), note
-    assert compiling._decode.step is not None
+    assert compiling._require().decode.step is not None
     # The same sequence goes on with compiled steps and gives the eager engine's tokens.
     rest = [compiling.step([0])[0] for _ in range(32)]
     compiling.release(0)
@@ -278,12 +278,12 @@ def test_a_background_compile_serves_eager_steps_until_the_compiled_step_is_read
 def test_a_background_compile_that_fails_keeps_serving_eager_with_the_reason(
     varied_model_dir, engine, engine_on, monkeypatch
 ):
-    from deployer.agent.engines.torch import engine as torch_engine
+    from deployer.agent.engines.torch import compile as torch_compile
 
     def broken(loaded, io):
         raise RuntimeError("inductor crashed")  # a fake: stands in for a backend bug
 
-    monkeypatch.setattr(torch_engine, "_compile_step", broken)
+    monkeypatch.setattr(torch_compile, "_compile_step", broken)
     compiling = engine_on(varied_model_dir, compile="on", background_compile=True)
     assert compiling.wait_compiled(60)
     assert compiling.describe().extra["compile"] == "off (compile failed: RuntimeError: inductor crashed)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from deployer.agent.types import ChatMessage, SamplingParams
@@ -56,16 +58,14 @@ def test_stop_string_ends_generation_and_is_not_emitted(tiny_engine, prompt):
     assert all(e.finish_reason is None for e in events[:-1])
 
 
-def test_eos_token_stops_with_reason_stop_and_no_text(tiny_engine, prompt):
-    assert tiny_engine.encode("<|im_end|>")[0] in tiny_engine._eos  # from config/tokenizer_config
+def test_eos_token_stops_with_reason_stop_and_no_text(tiny_engine, prompt, monkeypatch):
+    assert tiny_engine.encode("<|im_end|>")[0] in tiny_engine.end_ids  # from config/tokenizer_config
     forced = SamplingParams(max_tokens=5, temperature=0)
     first = next(iter(tiny_engine.stream(prompt, forced))).token_id
-    original = tiny_engine._eos
-    tiny_engine._eos = frozenset({first})  # the greedy first token now counts as EOS
-    try:
-        events, text = run(tiny_engine, prompt, forced)
-    finally:
-        tiny_engine._eos = original
+    attached = tiny_engine._require()
+    forced_end = replace(attached.text, end_ids=frozenset({first}))  # the greedy first token ends it
+    monkeypatch.setattr(tiny_engine, "_attached", replace(attached, text=forced_end))
+    events, text = run(tiny_engine, prompt, forced)
     assert len(events) == 1 and events[0].finish_reason == "stop" and text == ""
 
 

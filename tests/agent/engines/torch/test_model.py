@@ -66,7 +66,7 @@ def test_other_architectures_match_transformers(
 def test_kv_cache_decode_equals_full_recompute(tiny_engine):
     ids = tiny_engine.encode(PROMPT)
     full = tiny_engine.logits(ids)
-    model, split = tiny_engine._require().model, 5
+    model, split = tiny_engine._require().loaded.model, 5
     # prefill the first tokens, then decode one position at a time on the cache (batched path)
     with torch.inference_mode():
         stepwise = [model.prefill(torch.tensor([ids[:split]]), 0, 0)[0, -1]]
@@ -79,7 +79,7 @@ def test_fixed_shape_prefill_equals_eager_prefill(tiny_engine):
     # What a CUDA prefill graph runs: a padded chunk, the slot and positions as tensors.
     ids = tiny_engine.encode(PROMPT)
     full = tiny_engine.logits(ids)
-    model, split, length = tiny_engine._require().model, 4, 32
+    model, split, length = tiny_engine._require().loaded.model, 4, 32
     chunk = ids[split:]
     assert len(chunk) < length
     pad = length - len(chunk)

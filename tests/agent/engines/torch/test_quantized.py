@@ -298,7 +298,7 @@ def test_a_kernel_wrong_only_for_prefill_sized_inputs_is_not_used(monkeypatch, t
 def test_inductor_tunes_with_a_small_flush_while_a_cuda_engine_loads(before, monkeypatch):
     from torch._inductor.runtime.benchmarking import benchmarker
 
-    from deployer.agent.engines.torch.engine import TUNING_FLUSH_BYTES, _small_tuning_flush
+    from deployer.agent.engines.torch.compile import TUNING_FLUSH_BYTES, _small_tuning_flush
 
     # Whatever the benchmarker held before (nothing, or a size of its own) is what it holds after.
     if before is None:

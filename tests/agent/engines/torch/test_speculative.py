@@ -25,7 +25,7 @@ def drafted(varied_model_dir, engine_on):
 
 
 def stats(engine):
-    return engine._drafter.stats
+    return engine._require().drafter.stats
 
 
 def test_the_round_keeps_the_agreed_proposals_and_the_models_next_pick():
@@ -104,7 +104,7 @@ def test_at_the_end_of_the_cache_rounds_shrink_and_a_full_cache_is_an_error(vari
 
 def test_with_compiled_steps_and_draft_the_tokens_stay_the_models(varied_model_dir, plain, engine_on):
     compiled = engine_on(varied_model_dir, slots=2, compile="on", draft="int4")
-    assert compiled._drafter.step is not None
+    assert compiled._require().drafter.step is not None
     assert "compiled" in compiled.describe().extra["draft"]
     prompt = plain.encode(PROMPTS[0])
     assert run(compiled, 0, prompt, GREEDY, 64) == run(plain, 0, prompt, GREEDY, 64)
@@ -115,7 +115,7 @@ def test_in_the_agent_the_draft_compiles_after_the_model_in_background(varied_mo
     prompt = plain.encode(PROMPTS[1])
     assert run(engine, 0, prompt, GREEDY, 32) == run(plain, 0, prompt, GREEDY, 32)  # served meanwhile
     assert engine.wait_compiled(600)
-    assert engine._drafter.step is not None
+    assert engine._require().drafter.step is not None
     assert ", compiled, for a lone greedy sequence" in engine.describe().extra["draft"]
     assert run(engine, 0, prompt, GREEDY, 32) == run(plain, 0, prompt, GREEDY, 32)
 
