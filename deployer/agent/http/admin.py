@@ -23,7 +23,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deployer.agent.http.routes import AgentApp, endpoint, error_response, http_error, info_routes, read_json
+from deployer.agent.http.contract import AgentApp
+from deployer.agent.http.info import info_routes
+from deployer.agent.http.middleware import endpoint, error_response, http_error, read_json
 from deployer.agent.openai.schemas import ApiError
 from deployer.errors import SitsError
 
