@@ -15,6 +15,9 @@ answers 503 to every request once idle connections alone reach it). This subclas
 - a small write buffer, so a client that stops reading is noticed (the route's send waits) after
   kilobytes, not after megabytes of buffered tokens;
 - for the admin socket, the peer's credentials: only the agent's own user (and root) may connect.
+
+H11Protocol, its `cycle`, `connections` and `handle_events` are uvicorn internals, so agent/pyproject.toml
+pins the uvicorn range it was tested against, and tests/agent/http/test_uvicorn_internals.py names them.
 """
 
 from __future__ import annotations
