@@ -124,6 +124,9 @@ class _Attached:
     text: _Text | None = None
     drafter: Drafter | None = None
     draft_off: str = "off"
+    # torch's intra-op threads on the engine thread, where every step runs: describe() may be
+    # called from any thread, and torch keeps the setting per thread.
+    threads: int = 1
 
 
 def choose_device(device: str) -> tuple[str, str]:
@@ -281,7 +284,8 @@ class TorchEngine(Engine):
         if loaded.device.type == "cuda":
             torch.cuda.empty_cache()  # hand back what compiling and tuning left in the cache
         slots = [_Slot() for _ in range(self._slots)]
-        self._attached = _Attached(loaded, slots, io, decode, text, drafter, draft_off)
+        threads = torch.get_num_threads()
+        self._attached = _Attached(loaded, slots, io, decode, text, drafter, draft_off, threads)
 
     def _load_draft(self, artifact_dir: Path) -> tuple[Drafter | None, str]:
         """(the draft model of speculative decoding, None where the model cannot have one: it is
@@ -666,7 +670,7 @@ class TorchEngine(Engine):
             extra={
                 "device_choice": self._device_choice,
                 "dtype": str(loaded.dtype).removeprefix("torch."),
-                "threads": str(torch.get_num_threads()),
+                "threads": str(attached.threads),
                 "kernels": ", ".join(f"{k}={n}" for k, n in sorted(counts.items())),
                 "head": loaded.kernels["lm_head"],
                 "kernel_choice": loaded.kernel_note,
