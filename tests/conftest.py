@@ -70,3 +70,18 @@ def varied_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: P
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct in HF layout, prepared once and cached under ~/.cache/sits-deployer."""
     return prepare_smollm2()
+
+
+# What a fixture implies about a test's cost, applied as markers at collection, so that a new test
+# that takes the real model, the lab or nginx is never counted in the fast tier (scripts/test.sh
+# --fast deselects these markers and `long`, which costly tests say themselves).
+_MARKER_OF_FIXTURE = {"smollm2_dir": "slow", "lab": "lab", "nginx": "nginx"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test by the costly fixtures it uses, directly or through other fixtures."""
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for fixture, marker in _MARKER_OF_FIXTURE.items():
+            if fixture in used:
+                item.add_marker(marker)
