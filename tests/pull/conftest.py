@@ -1,7 +1,9 @@
-"""Fixtures for pull mode: a controller project that publishes, nginx serving it, devices polling.
+"""Fixtures for pull mode: a controller project that publishes, a mirror serving it, devices polling.
 
-`nginx` runs the Debian nginx binary on a free loopback port with a generated config, serving
-`published/` (tests/pull/nginx.py). `project` is a
+`mirror` serves `published/` to the devices' fetchers in this process, without a socket
+(tests/pull/direct.py): most tests use it. `nginx` runs the Debian nginx binary on a free loopback
+port with a generated config, serving `published/` (tests/pull/nginx.py), for the few tests of real
+HTTP (the `nginx` marker, applied from the fixture, keeps them out of the fast tier). `project` is a
 deploy.yaml over the tiny seeded checkpoints with an unencrypted release key. `make_device` gives a
 device root that trusts that key and polls one channel.
 """
@@ -13,10 +15,21 @@ from pathlib import Path
 
 import pytest
 
+from deployer.agent.ota import poll
 from deployer.config import load_config
 from deployer.release.desired import Releaser, build_target
+from tests.pull.direct import DirectMirror
 from tests.pull.nginx import NGINX, Nginx, start_nginx, stop_nginx
 from tests.pull.project import Project, make_project
+
+
+@pytest.fixture
+def mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> DirectMirror:
+    """tmp_path/published served at `mirror.url` to every poll this process makes (the CLI's too)."""
+    served = DirectMirror(tmp_path / "published")
+    served.root.mkdir()
+    monkeypatch.setattr(poll, "PullFetcher", served.fetcher)
+    return served
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The two commands end to end: `sits-deployer publish` to a directory nginx serves, then
+"""The two commands end to end: `sits-deployer publish` to a directory a mirror serves, then
 `sits-agent poll` and `sits-agent status` on a device root (install-only: no server running)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from deployer.agent.cli import cli as agent_cli
 from deployer.cli.main import cli as deployer_cli
-from tests.pull.nginx import Nginx
+from tests.pull.direct import DirectMirror
 from tests.pull.project import Project
 
 
@@ -22,7 +22,7 @@ def _device(root: Path, project: Project, url: str) -> None:
     (root / "etc/sits/pull.yaml").write_text(f"url: {url}\ntimeout_s: 5\n")
 
 
-def test_publish_then_poll_then_status(tmp_path: Path, project: Project, nginx: Nginx) -> None:
+def test_publish_then_poll_then_status(tmp_path: Path, project: Project, mirror: DirectMirror) -> None:
     project.write("1.0.0")
     runner = CliRunner()
     published = runner.invoke(
@@ -32,7 +32,7 @@ def test_publish_then_poll_then_status(tmp_path: Path, project: Project, nginx: 
             "-f",
             str(project.dir / "deploy.yaml"),
             "--to",
-            str(nginx.root),
+            str(mirror.root),
             "--channel",
             "canary",
             "--output",
@@ -42,10 +42,10 @@ def test_publish_then_poll_then_status(tmp_path: Path, project: Project, nginx: 
     assert published.exit_code == 0, published.output
     (channel,) = json.loads(published.stdout)
     assert (channel["channel"], channel["version"], channel["changed"]) == ("canary", "1.0.0", True)
-    assert (nginx.root / "canary/metadata/timestamp.json").is_file()
+    assert (mirror.root / "canary/metadata/timestamp.json").is_file()
 
     root = tmp_path / "device"
-    _device(root, project, f"{nginx.url}/canary/")
+    _device(root, project, f"{mirror.url}/canary/")
     polled = runner.invoke(agent_cli, ["poll", "--root", str(root), "--output", "json"])
     assert polled.exit_code == 0, polled.output
     assert json.loads(polled.stdout)["install"]["version"] == "1.0.0"
@@ -56,11 +56,11 @@ def test_publish_then_poll_then_status(tmp_path: Path, project: Project, nginx: 
 
 
 def test_failed_poll_is_one_error_line_and_shows_in_status(
-    tmp_path: Path, project: Project, nginx: Nginx
+    tmp_path: Path, project: Project, mirror: DirectMirror
 ) -> None:
-    project.publish(nginx.root, "1.0.0", channel="canary")
+    project.publish(mirror.root, "1.0.0", channel="canary")
     root = tmp_path / "device"
-    _device(root, project, f"{nginx.url}/no-such-channel/")
+    _device(root, project, f"{mirror.url}/no-such-channel/")
     runner = CliRunner()
     polled = runner.invoke(agent_cli, ["poll", "--root", str(root)])
     assert polled.exit_code == 1

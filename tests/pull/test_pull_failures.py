@@ -9,6 +9,7 @@ import pytest
 
 from deployer.agent.ota.fetch import ByteBudgetExceeded
 from deployer.errors import TransportError
+from tests.pull.direct import DirectMirror
 from tests.pull.nginx import Nginx
 from tests.pull.project import Project, make_device
 from tests.transport.proxy import CuttingProxy
@@ -53,11 +54,11 @@ def test_byte_budget_spreads_a_download_over_polls(tmp_path: Path, project: Proj
 
 @pytest.mark.parametrize("where", ["closed port", "missing channel"])
 def test_unreachable_or_missing_channel_is_retried_with_backoff(
-    tmp_path: Path, project: Project, nginx: Nginx, where: str
+    tmp_path: Path, project: Project, mirror: DirectMirror, where: str
 ) -> None:
-    project.publish(nginx.root, "1.0.0")
-    url = "http://127.0.0.1:9/stable/" if where == "closed port" else f"{nginx.url}/nosuch/"
-    device = make_device(tmp_path / "d1", project, f"{nginx.url}/stable/")
+    project.publish(mirror.root, "1.0.0")
+    url = "http://127.0.0.1:9/stable/" if where == "closed port" else f"{mirror.url}/nosuch/"
+    device = make_device(tmp_path / "d1", project, f"{mirror.url}/stable/")
     device = type(device)(device.store, device.updater, device.settings.model_copy(update={"url": url}))
     with pytest.raises(TransportError) as info:
         device.poll()

@@ -13,7 +13,7 @@ import pytest
 from deployer.errors import ConfigError, KeyFileError, SignatureError
 from deployer.pull.role_keys import ROLES
 from tests.pull import forge
-from tests.pull.nginx import Nginx
+from tests.pull.direct import DirectMirror
 from tests.pull.project import Project, make_device
 
 
@@ -54,9 +54,9 @@ def test_threshold_must_be_met_by_the_role_keys(project: Project) -> None:
 
 
 def test_roles_have_their_own_keys_and_offline_ones_are_read_only_to_sign(
-    tmp_path: Path, separate: Project, nginx: Nginx
+    tmp_path: Path, separate: Project, mirror: DirectMirror
 ) -> None:
-    separate.publish(nginx.root, "1.0.0")
+    separate.publish(mirror.root, "1.0.0")
     root = json.loads(separate.root_metadata().read_bytes())["signed"]
     listed = {role: (set(r["keyids"]), r["threshold"]) for role, r in root["roles"].items()}
     assert listed == {
@@ -66,29 +66,29 @@ def test_roles_have_their_own_keys_and_offline_ones_are_read_only_to_sign(
         "timestamp": ({_keyid(separate, "online")}, 1),
     }
     assert _keyid(separate, "release") not in root["keys"]  # the release key signs releases only
-    device = make_device(tmp_path / "d1", separate, f"{nginx.url}/stable/")
+    device = make_device(tmp_path / "d1", separate, f"{mirror.url}/stable/")
     assert device.poll().result == "updated"
 
     vault = _offline(separate, "root-1", "root-2", "targets")
-    again = separate.publish(nginx.root, "1.0.0")  # the routine re-sign: online keys only
+    again = separate.publish(mirror.root, "1.0.0")  # the routine re-sign: online keys only
     assert not again.changed and again.timestamp_version == 2 and again.warnings == ()
     with pytest.raises(KeyFileError) as info:
-        separate.publish(nginx.root, "2.0.0")
+        separate.publish(mirror.root, "2.0.0")
     assert "targets" in info.value.message and "targets.key" in info.value.message
 
     shutil.copy(vault / "targets.key", separate.dir / "keys/targets.key")  # brought online to release
-    assert separate.publish(nginx.root, "2.0.0").changed
+    assert separate.publish(mirror.root, "2.0.0").changed
     assert device.poll().result == "updated" and device.store.current_version() == "2.0.0"
 
 
 @pytest.mark.parametrize("forgery", ["timestamp by the targets key", "targets by the online key"])
 def test_metadata_signed_by_another_roles_key_is_refused(
-    tmp_path: Path, separate: Project, nginx: Nginx, forgery: str
+    tmp_path: Path, separate: Project, mirror: DirectMirror, forgery: str
 ) -> None:
-    separate.publish(nginx.root, "1.0.0")
-    device = make_device(tmp_path / "d1", separate, f"{nginx.url}/stable/")
+    separate.publish(mirror.root, "1.0.0")
+    device = make_device(tmp_path / "d1", separate, f"{mirror.url}/stable/")
     assert device.poll().result == "updated"
-    channel = nginx.root / "stable"
+    channel = mirror.root / "stable"
     online = forge.signer(separate.dir / "keys/online.key")
     if forgery == "timestamp by the targets key":
         forge.timestamp(channel, forge.signer(separate.dir / "keys/targets.key"))
@@ -100,12 +100,12 @@ def test_metadata_signed_by_another_roles_key_is_refused(
 
 
 def test_renewal_without_offline_keys_warns_and_keeps_the_timestamp_fresh(
-    separate: Project, nginx: Nginx
+    separate: Project, mirror: DirectMirror
 ) -> None:
     now = datetime.now(UTC)
-    separate.publish(nginx.root, "1.0.0", now=now)
+    separate.publish(mirror.root, "1.0.0", now=now)
     _offline(separate, "root-1", "root-2", "targets")
-    later = separate.publish(nginx.root, "1.0.0", now=now + timedelta(days=340))
+    later = separate.publish(mirror.root, "1.0.0", now=now + timedelta(days=340))
     assert later.timestamp_version == 2 and later.root_version == 1 and later.root_change is None
     assert [w.split(" ", 1)[0] for w in later.warnings] == ["root", "targets"]
     assert "not renewed" in later.warnings[0]
@@ -116,15 +116,15 @@ def _root_version(device) -> int:
 
 
 def test_new_role_keys_rotate_the_root_and_devices_follow_it(
-    tmp_path: Path, project: Project, nginx: Nginx
+    tmp_path: Path, project: Project, mirror: DirectMirror
 ) -> None:
-    project.publish(nginx.root, "1.0.0")  # default: the release key for every role
-    device = make_device(tmp_path / "d1", project, f"{nginx.url}/stable/")
+    project.publish(mirror.root, "1.0.0")  # default: the release key for every role
+    device = make_device(tmp_path / "d1", project, f"{mirror.url}/stable/")
     assert device.poll().result == "updated"
 
     new = project.keygen("new")
     project.publish_extra = {"roles": {role: {"keys": [new]} for role in ROLES}}
-    rotated = project.publish(nginx.root, "2.0.0")
+    rotated = project.publish(mirror.root, "2.0.0")
     assert (rotated.root_change, rotated.root_version) == ("rotated", 2)
     signed = json.loads((rotated.local_dir / "metadata/2.root.json").read_bytes())
     assert {s["keyid"] for s in signed["signatures"]} == {_keyid(project, "release"), _keyid(project, "new")}
@@ -132,37 +132,37 @@ def test_new_role_keys_rotate_the_root_and_devices_follow_it(
 
     assert device.poll().result == "updated" and device.store.current_version() == "2.0.0"
     assert _root_version(device) == 2
-    fresh = make_device(tmp_path / "fresh", project, f"{nginx.url}/stable/")  # still anchored at 1.root.json
+    fresh = make_device(tmp_path / "fresh", project, f"{mirror.url}/stable/")  # still anchored at 1.root.json
     assert fresh.poll().result == "updated" and _root_version(fresh) == 2
 
     # The old key still signs releases, but the channel's metadata no longer: refused.
-    forge.timestamp(nginx.root / "stable", forge.signer(project.dir / "keys/release.key"))
+    forge.timestamp(mirror.root / "stable", forge.signer(project.dir / "keys/release.key"))
     with pytest.raises(SignatureError):
         device.poll(force=True)
     assert device.store.current_version() == "2.0.0"
 
 
 def test_next_root_signed_by_the_new_keys_only_is_refused(
-    tmp_path: Path, project: Project, nginx: Nginx
+    tmp_path: Path, project: Project, mirror: DirectMirror
 ) -> None:
-    project.publish(nginx.root, "1.0.0")
-    device = make_device(tmp_path / "d1", project, f"{nginx.url}/stable/")
+    project.publish(mirror.root, "1.0.0")
+    device = make_device(tmp_path / "d1", project, f"{mirror.url}/stable/")
     assert device.poll().result == "updated"
     project.keygen("intruder")
     intruder = forge.signer(project.dir / "keys/intruder.key")
-    assert forge.next_root(nginx.root / "stable", intruder, intruder) == 2
+    assert forge.next_root(mirror.root / "stable", intruder, intruder) == 2
     with pytest.raises(SignatureError):
         device.poll(force=True)
     assert _root_version(device) == 1
 
 
-def test_rotation_needs_the_old_root_keys(project: Project, nginx: Nginx) -> None:
+def test_rotation_needs_the_old_root_keys(project: Project, mirror: DirectMirror) -> None:
     project.publish_extra = {"roles": {"root": {"keys": [project.keygen("root-a")]}}}
-    project.publish(nginx.root, "1.0.0")
+    project.publish(mirror.root, "1.0.0")
     vault = _offline(project, "root-a")
     project.publish_extra = {"roles": {"root": {"keys": [project.keygen("root-b")]}}}
     with pytest.raises(KeyFileError) as info:
-        project.publish(nginx.root, "1.0.0")
+        project.publish(mirror.root, "1.0.0")
     assert "old root" in info.value.message and "--old-root-key" in (info.value.hint or "")
-    done = project.publish(nginx.root, "1.0.0", old_root_keys=(vault / "root-a.key",))
+    done = project.publish(mirror.root, "1.0.0", old_root_keys=(vault / "root-a.key",))
     assert (done.root_change, done.root_version) == ("rotated", 2)

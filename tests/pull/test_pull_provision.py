@@ -18,7 +18,7 @@ from deployer.push.bootstrap import desired_files, stop_agent
 from deployer.push.facts import PULL_CONFIG, PULL_ROOT, UNIT_DIR, DeviceSite
 from deployer.transport import LocalTransport
 from tests.ports import reserved_port
-from tests.pull.nginx import Nginx
+from tests.pull.direct import DirectMirror
 from tests.pull.project import Project
 
 CDN = "https://cdn.example/sits"
@@ -42,7 +42,7 @@ def _files(project: Project, name: str) -> dict[str, bytes]:
     return desired_files(config, DeviceSite.of(config, device), systemd=True)
 
 
-def test_each_device_gets_its_channel_url_root_and_poll_units(project: Project, nginx: Nginx) -> None:
+def test_each_device_gets_its_channel_url_root_and_poll_units(project: Project, mirror: DirectMirror) -> None:
     project.devices = [_local(project, "c1", {"ring": "canary"}), _local(project, "m1", {"ring": "main"})]
     project.publish_extra = {"base_url": CDN}
     project.write("1.0.0")
@@ -52,7 +52,7 @@ def test_each_device_gets_its_channel_url_root_and_poll_units(project: Project, 
     assert "sits-deployer publish --channel canary" in (info.value.hint or "")
 
     for channel in ("canary", "stable"):
-        project.publish(nginx.root, "1.0.0", channel=channel)
+        project.publish(mirror.root, "1.0.0", channel=channel)
     for name, channel in (("c1", "canary"), ("m1", "stable")):
         files = _files(project, name)
         assert yaml.safe_load(files[PULL_CONFIG]) == {"url": f"{CDN}/{channel}/"}
@@ -67,14 +67,16 @@ def test_each_device_gets_its_channel_url_root_and_poll_units(project: Project, 
     assert not {PULL_CONFIG, PULL_ROOT} & set(_files(project, "c1"))
 
 
-def test_apply_provisions_pull_mode_then_the_device_polls_by_itself(project: Project, nginx: Nginx) -> None:
+def test_apply_provisions_pull_mode_then_the_device_polls_by_itself(
+    project: Project, mirror: DirectMirror
+) -> None:
     project.devices = [_local(project, "edge", {"ring": "canary"})]
-    project.publish_extra = {"base_url": nginx.url}
+    project.publish_extra = {"base_url": mirror.url}
     project.extra = {
         "health": {"latency_budget_ms": 20000, "smoke_prompts": ["Hi"]},
         "agent": {"max_tokens": 8},
     }
-    project.publish(nginx.root, "1.0.0", channel="canary")
+    project.publish(mirror.root, "1.0.0", channel="canary")
     root = project.dir / "devices/edge"
     config = project.config()
     site = DeviceSite.of(config, config.fleet.devices[0])
@@ -89,12 +91,12 @@ def test_apply_provisions_pull_mode_then_the_device_polls_by_itself(project: Pro
         assert PULL_CONFIG in write["reason"] and PULL_ROOT in write["reason"]
         applied = run("apply", "--output", "json")
         assert applied.exit_code == 0, applied.output
-        assert yaml.safe_load((root / PULL_CONFIG[1:]).read_text()) == {"url": f"{nginx.url}/canary/"}
+        assert yaml.safe_load((root / PULL_CONFIG[1:]).read_text()) == {"url": f"{mirror.url}/canary/"}
         assert (root / PULL_ROOT[1:]).read_bytes() == project.root_metadata("canary").read_bytes()
         again = run("plan", "--detailed-exitcode")
         assert again.exit_code == 0, again.output  # converged, pull files included
 
-        project.publish(nginx.root, "2.0.0", channel="canary")
+        project.publish(mirror.root, "2.0.0", channel="canary")
         polled = runner.invoke(
             agent_cli, ["poll", "--config", str(root / "etc/sits/agent.yaml"), "--output", "json"]
         )

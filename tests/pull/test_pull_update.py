@@ -1,9 +1,11 @@
-"""Devices polling nginx move to new releases by themselves: full artifact first, then a patch."""
+"""Devices polling a channel move to new releases by themselves: full artifact first, then a patch
+(over nginx: real HTTP, and what each poll costs on the wire), and back by a new release."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from tests.pull.direct import DirectMirror
 from tests.pull.nginx import Nginx
 from tests.pull.project import Project, make_device
 
@@ -41,18 +43,18 @@ def test_device_installs_full_then_patch_then_stays(tmp_path: Path, project: Pro
 
 
 def test_republish_reuses_the_release_and_rollback_is_a_new_one(
-    tmp_path: Path, project: Project, nginx: Nginx
+    tmp_path: Path, project: Project, mirror: DirectMirror
 ) -> None:
-    first = project.publish(nginx.root, "1.0.0")
-    again = project.publish(nginx.root, "1.0.0")
+    first = project.publish(mirror.root, "1.0.0")
+    again = project.publish(mirror.root, "1.0.0")
     assert (again.changed, again.counter, again.targets_version) == (False, first.counter, 1)
     assert again.timestamp_version == first.timestamp_version + 1  # only the timestamp re-signed
 
-    device = make_device(tmp_path / "d1", project, f"{nginx.url}/stable/")
+    device = make_device(tmp_path / "d1", project, f"{mirror.url}/stable/")
     device.poll()
-    second = project.publish(nginx.root, "2.0.0")
+    second = project.publish(mirror.root, "2.0.0")
     device.poll()
-    back = project.publish(nginx.root, "1.0.0")  # a fleet rollback: the old artifact, a new counter
+    back = project.publish(mirror.root, "1.0.0")  # a fleet rollback: the old artifact, a new counter
     assert back.artifact_sha256 == first.artifact_sha256 and back.counter > second.counter
     outcome = device.poll()
     assert outcome.result == "updated" and device.store.current_version() == "1.0.0"
