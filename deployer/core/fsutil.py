@@ -4,13 +4,19 @@
 target and fsyncs the directory, so a reader sees the old file or the new one, never a torn one, and
 the rename itself is on disk when the call returns. Temp names carry TEMP_MARK so a store can sweep
 what a crash left behind.
+
+`read_regular` is the careful read of a small file someone else may have replaced: a named pipe
+would block the reader forever (holding whatever lock it holds), a device or a huge file would
+fill its memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +31,7 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "read_json_object",
+    "read_regular",
 ]
 
 TEMP_MARK = ".tmp-"
@@ -97,4 +104,22 @@ def read_json_object(path: Path, error: type[SitsError] = FormatError) -> dict[s
         raise error(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object")
+    return data
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of `path` (a symlink to one counts), refusing anything that is not a regular file
+    or holds more than `limit` bytes. Raises OSError, whose strerror says which.
+
+    Opened non-blocking, so a named pipe without a writer fails here instead of hanging the open;
+    fstat on the opened file, so what was checked is what is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a named pipe" if stat.S_ISFIFO(mode) else "a device, socket or directory"
+            raise OSError(errno.EINVAL, f"not a regular file (it is {kind})", str(path))
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
     return data

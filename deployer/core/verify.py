@@ -29,6 +29,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from deployer.core.fsutil import read_regular
 from deployer.core.hashing import sha256_file
 from deployer.core.patch_format import FileRef, PatchHeader, list_files
 from deployer.core.release import Envelope, FileHash, Release, parse_release
@@ -94,10 +95,10 @@ def load_public_key(pem: bytes, where: str) -> tuple[str, ec.EllipticCurvePublic
 
 
 def read_key_file(path: Path) -> bytes:
-    """The first MAX_KEY_BYTES of a key file (no PEM key is longer). Raises KeyFileError."""
+    """A key file's bytes: a regular file of at most MAX_KEY_BYTES (no PEM key is longer), never a
+    pipe or device that would hang or flood the reader. Raises KeyFileError naming the path."""
     try:
-        with path.open("rb") as f:
-            return f.read(MAX_KEY_BYTES)
+        return read_regular(path, MAX_KEY_BYTES)
     except OSError as exc:
         raise KeyFileError(f"{path}: cannot read the key: {exc.strerror or exc}") from exc
 

@@ -32,7 +32,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployer.core.fsutil import TEMP_MARK, atomic_write, fsync_dir, fsync_file
+from deployer.core.fsutil import TEMP_MARK, atomic_write, fsync_dir, fsync_file, read_regular
 from deployer.core.release import Release
 from deployer.errors import AgentError, UnsafePathError
 
@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 HISTORY_LIMIT = 200
+_THRESHOLD_BYTES = 64  # "2\n" and room to spare: more is no threshold file
 Pointer = Literal["current", "previous"]
 _VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 
@@ -205,10 +206,15 @@ class DeviceStore:
         """
         path = self.keys_dir / "threshold"
         try:
-            text = path.read_text(encoding="ascii").strip()
+            text = read_regular(path, _THRESHOLD_BYTES).decode("ascii").strip()
         except FileNotFoundError:
             return 1
-        except (OSError, UnicodeDecodeError) as exc:
+        except OSError as exc:  # a pipe or device is refused, not waited on (under the store lock)
+            raise AgentError(
+                f"{path}: cannot read the signature threshold: {exc.strerror or exc}",
+                hint="write the threshold as a small regular file, e.g. `echo 2 > threshold`",
+            ) from exc
+        except UnicodeDecodeError as exc:
             raise AgentError(f"{path}: cannot read the signature threshold: {exc}") from exc
         if not text.isdigit() or int(text) < 1:
             raise AgentError(
