@@ -69,7 +69,7 @@ class FallbackSettings(BaseModel):
     not_ready: bool = True
     overloaded: bool = True
     first_token_timeout_s: float = Field(default=10.0, gt=0, description="upstream: until its first token")
-    read_timeout_s: float = Field(default=30.0, gt=0, description="upstream: between two chunks")
+    read_timeout_s: float = Field(default=30.0, gt=0, description="upstream: between two tokens")
     latency_window: int = Field(default=3, ge=1, le=1000, description="upstream calls its P95 is over")
     breaker_failures: int = Field(default=3, ge=1, description="failures in a row that open the breaker")
     breaker_backoff_s: float = Field(default=5.0, gt=0, description="first open period; doubles")

@@ -13,6 +13,10 @@ Two halves:
   redacted too. The outputs call it: `redacting_stdio()` around a command, `redacted_json()` for
   JSON written to stdout or a file, `RedactingFilter` on a log handler.
 
+`redact_pieces()` is for one secret in a third party's text that may hold only part of it (a
+server echoing the request back, cut to length): every piece of MIN_FRAGMENT characters or more
+goes, not just the whole value.
+
 The registry is process-wide (threads that report on devices share it); `redaction_scope()`
 restores it afterwards, so one command (or test) does not redact with another's values.
 Standard library only: the device agent uses it too.
@@ -25,6 +29,7 @@ import hmac
 import io
 import json
 import logging
+import re
 import sys
 import threading
 from collections.abc import Iterator, Mapping
@@ -35,6 +40,7 @@ __all__ = [
     "Secret",
     "redact",
     "redact_data",
+    "redact_pieces",
     "redacted_json",
     "redacting_stdio",
     "redaction_scope",
@@ -43,6 +49,8 @@ __all__ = [
 
 # Shorter values would be replaced inside unrelated words and numbers of a message.
 MIN_REDACTED_LENGTH = 3
+# A piece of a secret this long is worth hiding: 8 characters of a random key are ~48 bits of it.
+MIN_FRAGMENT = 8
 
 _lock = threading.Lock()
 _labels: dict[str, str] = {}  # secret value -> the label shown instead
@@ -66,6 +74,31 @@ def redact(text: str) -> str:
         if value in text:
             text = text.replace(value, label)
     return text
+
+
+def redact_pieces(text: str, secret: str, label: str) -> str:
+    """`text` with every run of it made of pieces of `secret` (MIN_FRAGMENT characters or longer,
+    so the whole secret, its head or tail cut off by a truncation, or a piece inside) replaced by
+    `label`. Cut text after this, never before: a cut can split the secret into pieces that no
+    longer match it whole. Costs up to len(text) × len(secret): callers bound the text first (to a
+    few KiB, comfortably more than they show)."""
+    if not secret:
+        return text
+    if len(secret) < MIN_FRAGMENT:
+        return text.replace(secret, label)
+    hidden = bytearray(len(text))  # 1 where a character belongs to a piece of the secret
+    for piece in {secret[i : i + MIN_FRAGMENT] for i in range(len(secret) - MIN_FRAGMENT + 1)}:
+        found = text.find(piece)
+        while found >= 0:
+            hidden[found : found + MIN_FRAGMENT] = b"\x01" * MIN_FRAGMENT
+            found = text.find(piece, found + 1)
+    if not any(hidden):
+        return text
+    out, last = [], 0
+    for run in re.finditer(rb"\x01+", hidden):
+        out += [text[last : run.start()], label]
+        last = run.end()
+    return "".join([*out, text[last:]])
 
 
 def redact_data(data: Any) -> Any:

@@ -1,7 +1,7 @@
 """Edge-cloud fallback end to end through the official openai client: an edge agent (tiny model,
 seed 0) and, as its upstream, a second agent on loopback serving other weights (seed 1), so that
-every token says which model made it. A misbehaving upstream (ThreadingHTTPServer below) stands in
-only where a test needs the upstream to fail in a particular way; each such test says so."""
+every token says which model made it. A misbehaving upstream (hostile_upstream.py) stands in only
+where a test needs the upstream to fail in a particular way; each such test says so."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import openai
@@ -22,6 +21,7 @@ from deployer.agent.http.server import AgentServer
 from deployer.agent.settings import FallbackSettings, load_settings
 from deployer.errors import AgentError, ConfigError
 from tests.agent.conftest import EngineWrapper, metric_is
+from tests.agent.serving.hostile_upstream import HostileUpstream
 
 QUESTION = [{"role": "user", "content": "Hello there"}]
 KEY = "sk-upstream-" + "k" * 32
@@ -154,71 +154,13 @@ class PacedEngine(EngineWrapper):
 # -- a misbehaving upstream, for the tests that need one ------------------------------------------
 
 
-class BadUpstream:
-    """An HTTP server that fails the way `mode` says: "500-echo" answers 500 quoting the request's
-    Authorization header (a broken upstream leaking what it was sent), "garbage" a 200 stream of
-    non-JSON, "hang" never answers, "truncate" one good chunk and then drops the connection."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.requests = 0
-        self.authorization: list[str] = []
-        self.stop = threading.Event()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                outer.requests += 1
-                outer.authorization.append(self.headers.get("Authorization", ""))
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                outer.answer(self)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def answer(self, handler: BaseHTTPRequestHandler) -> None:
-        if self.mode == "hang":
-            self.stop.wait(60)
-            return
-        if self.mode == "500-echo":
-            body = json.dumps({"error": {"message": f"bad auth {handler.headers.get('Authorization')}"}})
-            handler.send_response(500)
-            handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(len(body)))
-            handler.end_headers()
-            handler.wfile.write(body.encode())
-            return
-        handler.send_response(200)
-        handler.send_header("Content-Type", "text/event-stream")
-        handler.end_headers()
-        if self.mode == "garbage":
-            handler.wfile.write(b"data: {this is not json\n\n")
-        else:  # truncate
-            chunk = {"id": "x", "model": "bad", "choices": [{"index": 0, "delta": {"content": "UP"}}]}
-            handler.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        handler.wfile.flush()
-        handler.close_connection = True
-
-    def close(self) -> None:
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
-def bad_upstream() -> Iterator[Callable[[str], BadUpstream]]:
-    servers: list[BadUpstream] = []
+def bad_upstream() -> Iterator[Callable[..., HostileUpstream]]:
+    """`bad_upstream(mode, **options)`: a HostileUpstream, closed at teardown."""
+    servers: list[HostileUpstream] = []
 
-    def make(mode: str) -> BadUpstream:
-        servers.append(BadUpstream(mode))
+    def make(mode: str, **options: object) -> HostileUpstream:
+        servers.append(HostileUpstream(mode, **options))
         return servers[-1]
 
     yield make

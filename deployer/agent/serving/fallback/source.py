@@ -270,7 +270,7 @@ class FallbackSource:
             )
         kind: Literal["chat", "completion"] = "chat" if job.messages is not None else "completion"
         try:
-            generation = await self._upstream.open(kind, body)
+            generation = await self._upstream.open(kind, body, max_tokens=params.max_tokens, stop=params.stop)
         except UpstreamFailure as exc:
             self.breaker.failure()
             self._count_failure(exc.kind)

@@ -12,7 +12,15 @@ its answer can hold tool calls and logprobs: tool calls become the text the devi
 writes for them, which the routes parse the same way; logprobs become this agent's TokenLogprobs.
 
 The API key travels only in the Authorization header; every text taken from the upstream into an
-error message is scrubbed of it first, since a broken upstream may echo the request back.
+error message is scrubbed of it (and of any piece of it, core/redact.redact_pieces) before it is
+cut to length, since a broken upstream may echo the request back.
+
+The upstream is not trusted to behave (docs/security-model.md#the-fallback-upstream): its stream is
+read raw (no content encoding, so no decompression bomb) in lines of at most _MAX_LINE_BYTES and
+_MAX_BODY_BYTES in all, which httpx's own line reader does not bound; the answer is held to the
+request's own max_tokens and stop strings, whatever the upstream does with them; and
+`read_timeout_s` runs between tokens, so keep-alive comments or tokenless chunks cannot hold a
+stream open.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
@@ -28,15 +37,24 @@ from typing import Any, Literal
 import httpx
 
 from deployer.agent.chat import tool_call_frame
+from deployer.agent.engines.textstream import StopMatcher
 from deployer.agent.openai.schemas import ApiError
 from deployer.agent.serving.generate import Cancelled, ServedBy, Started
 from deployer.agent.types import EngineInfo, Logprob, TokenEvent, TokenLogprobs
+from deployer.core.redact import redact_pieces
 
 __all__ = ["UPSTREAM_TOKEN", "FailureKind", "UpstreamClient", "UpstreamFailure", "UpstreamGeneration"]
 
 UPSTREAM_TOKEN = -1  # the token id of an upstream chunk: a token, but not one of our vocabulary
 FailureKind = Literal["connect", "timeout", "status", "malformed", "open"]  # open: the breaker said no
-_ERROR_BODY_BYTES = 2048  # how much of an upstream's error body is quoted
+_ERROR_BODY_BYTES = 2048  # how much of an upstream's error text is read (and scrubbed)
+_QUOTED_CHARS = 300  # how much of it an error message quotes
+# An SSE line holds one chunk: a token with its logprobs (20 alternatives at most) is a few KiB.
+_MAX_LINE_BYTES = 1 << 20
+_MAX_BODY_BYTES = 64 << 20  # a whole answer: max_tokens chunks of logprobs fit many times over
+# The most text one token may carry: an upstream that packs its whole answer into one chunk still
+# gets no more than max_tokens of these.
+_TOKEN_CHARS = 64
 
 
 class UpstreamFailure(Exception):
@@ -65,7 +83,10 @@ class UpstreamClient:
         self.model = model
         self._key = api_key
         self._first_token_s = first_token_timeout_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._token_s = read_timeout_s
+        headers = {"Accept-Encoding": "identity"}  # read raw: bounded bytes are bounded memory
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/") + "/",
             headers=headers,
@@ -77,11 +98,20 @@ class UpstreamClient:
         """Close the pooled connections."""
         await self._http.aclose()
 
-    async def open(self, kind: Literal["chat", "completion"], body: dict[str, Any]) -> UpstreamGeneration:
-        """Send the request and wait for the first token (or the end of a tokenless answer).
+    async def open(
+        self,
+        kind: Literal["chat", "completion"],
+        body: dict[str, Any],
+        *,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+    ) -> UpstreamGeneration:
+        """Send the request and wait for the first token (or the end of a tokenless answer). The
+        answer ends at `max_tokens` tokens or the first of the `stop` strings, as the device's own
+        would, even where the upstream goes on.
 
         Raises UpstreamFailure when none comes within the first-token timeout, the upstream answers
-        with an error status, or what it sends is not an OpenAI stream."""
+        with an error status, or what it sends is not an OpenAI stream (or passes the size limits)."""
         path = "chat/completions" if kind == "chat" else "completions"
         body = {**body, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
         began = time.monotonic()
@@ -92,7 +122,10 @@ class UpstreamClient:
                 response = await self._http.send(request, stream=True)
                 if response.status_code != 200:
                     raise await self._status_failure(response)
-                generation = UpstreamGeneration(response, kind, self.scrub, self.model)
+                if response.headers.get("content-encoding", "identity").lower() != "identity":
+                    raise UpstreamFailure("malformed", "the upstream compressed its stream, unasked")
+                limits = _Limits(max_tokens, stop)
+                generation = UpstreamGeneration(response, kind, self.quote, self.model, limits, self._token_s)
                 await generation.prime()
         except TimeoutError:
             await _close(response)
@@ -101,7 +134,7 @@ class UpstreamClient:
             ) from None
         except httpx.HTTPError as exc:
             await _close(response)
-            raise UpstreamFailure("connect", self.scrub(f"cannot reach the upstream: {exc}")) from None
+            raise UpstreamFailure("connect", f"cannot reach the upstream: {self.quote(exc)}") from None
         except BaseException:
             await _close(response)
             raise
@@ -110,19 +143,22 @@ class UpstreamClient:
 
     async def _status_failure(self, response: httpx.Response) -> UpstreamFailure:
         raw = b""
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.aiter_raw():
             raw += chunk
             if len(raw) >= _ERROR_BODY_BYTES:
                 break
         text = raw[:_ERROR_BODY_BYTES].decode("utf-8", "replace")
         with contextlib.suppress(ValueError, KeyError, TypeError):
             text = json.loads(text)["error"]["message"]  # an OpenAI error body: its message
-        message = f"the upstream answered {response.status_code}: {str(text).strip()[:300]}"
-        return UpstreamFailure("status", self.scrub(message), response.status_code)
+        message = f"the upstream answered {response.status_code}: {self.quote(text)}"
+        return UpstreamFailure("status", message, response.status_code)
 
-    def scrub(self, text: str) -> str:
-        """`text` without the API key in it."""
-        return text.replace(self._key, "[redacted]") if self._key else text
+    def quote(self, text: object) -> str:
+        """The start of an upstream's text for an error message, without the API key or any piece of
+        it long enough to matter: scrubbed, then cut (a cut first could leave a piece of the key too
+        short to be recognised as one)."""
+        text = str(text)[:_ERROR_BODY_BYTES]
+        return (redact_pieces(text, self._key, "[redacted]") if self._key else text).strip()[:_QUOTED_CHARS]
 
 
 async def _close(response: httpx.Response | None) -> None:
@@ -191,20 +227,100 @@ def _logprob(entry: dict[str, Any]) -> Logprob:
     return Logprob(UPSTREAM_TOKEN, token, float(entry["logprob"]))
 
 
+class _Limits:
+    """The request's own max_tokens and stop strings, applied to an upstream's events as the device's
+    engines apply them to theirs (engines/textstream.token_events): text that may begin a stop
+    string is held back, the answer ends before a stop string with "stop" and at max_tokens tokens
+    (or their worth of text, _TOKEN_CHARS each) with "length". A well-behaved upstream stops there
+    too, and its usage still comes; one that sends another token `overran`: it is not read further."""
+
+    def __init__(self, max_tokens: int, stop: Sequence[str]) -> None:
+        self._tokens_left = max_tokens
+        self._chars_left = max_tokens * _TOKEN_CHARS
+        self._stopper = StopMatcher(stop)
+        self.finished = False  # the answer has its finish reason: whatever follows is dropped
+        self.overran = False  # a token came after it: the upstream ignores the limits
+        self.tokens = 0
+
+    def apply(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """`events` up to the one that finishes the answer, their text through the stop strings and
+        the budget, with the finish reason a limit gives."""
+        out: list[TokenEvent] = []
+        for event in events:
+            if self.finished:
+                self.overran = self.overran or event.token_id is not None or bool(event.text)
+                break
+            out.append(self._one(event))
+        return out
+
+    def _one(self, event: TokenEvent) -> TokenEvent:
+        text, stopped = self._stopper.feed(event.text)
+        finish = "stop" if stopped else event.finish_reason
+        if event.token_id is not None:
+            self.tokens += 1
+            self._tokens_left -= 1
+            if self._tokens_left <= 0 and not stopped:
+                finish = "length"
+        if finish is not None and not stopped:
+            text += self._stopper.flush()  # the end: what was held back never completed a stop
+        if len(text) > self._chars_left:
+            text, finish = text[: self._chars_left], "length"
+        self._chars_left -= len(text)
+        self.finished = finish is not None
+        return dataclasses.replace(event, text=text, finish_reason=finish)
+
+    def rest(self) -> str:
+        """What is still held back when the upstream's stream ends without a finish reason."""
+        return self._stopper.flush()[: self._chars_left]
+
+
+async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of an SSE body (ended by CRLF, LF or CR) as text; UpstreamFailure("malformed") for a
+    line longer than _MAX_LINE_BYTES or a body past _MAX_BODY_BYTES, before either is held in memory."""
+    buffer = bytearray()
+    total = 0
+    async for chunk in chunks:
+        total += len(chunk)
+        if total > _MAX_BODY_BYTES:
+            raise UpstreamFailure("malformed", f"the upstream's stream passed {_MAX_BODY_BYTES} bytes")
+        buffer += chunk
+        start = 0
+        while (end := _EOL.search(buffer, start)) is not None:
+            if end.group() == b"\r" and end.end() == len(buffer):
+                break  # maybe the first half of a CRLF
+            yield buffer[start : end.start()].decode("utf-8", "replace")
+            start = end.end()
+        del buffer[:start]
+        if len(buffer) > _MAX_LINE_BYTES:
+            raise UpstreamFailure(
+                "malformed", f"the upstream sent a line longer than {_MAX_LINE_BYTES} bytes"
+            )
+    if buffer:
+        yield buffer.rstrip(b"\r").decode("utf-8", "replace")
+
+
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
 class UpstreamGeneration:
-    """An upstream answer as a Generation: its SSE chunks as token events."""
+    """An upstream answer as a Generation: its SSE chunks as token events, within the request's
+    limits."""
 
     def __init__(
         self,
         response: httpx.Response,
         kind: Literal["chat", "completion"],
-        scrub: Callable[[str], str],
+        quote: Callable[[object], str],
         model: str,
+        limits: _Limits,
+        token_timeout_s: float,
     ) -> None:
         self._response = response
         self._kind = kind
-        self._scrub = scrub
-        self._lines = response.aiter_lines()
+        self._quote = quote
+        self._lines = _lines(response.aiter_raw())
+        self._limits = limits
+        self._token_timeout_s = token_timeout_s
         self._head: list[TokenEvent] = []
         self._calls = _ToolCallText()
         self._usage: tuple[int, int] | None = None
@@ -228,7 +344,8 @@ class UpstreamGeneration:
             self._head = await self._next()
 
     async def _next(self) -> list[TokenEvent]:
-        """The next chunk's token events (none for a chunk without a token); sets _done at the end."""
+        """The next chunk's token events (none for a chunk without a token), within the limits; sets
+        _done at the end."""
         while True:
             try:
                 line = await self._lines.__anext__()
@@ -242,8 +359,11 @@ class UpstreamGeneration:
             data = line[5:].strip()
             if data == "[DONE]":
                 self._done = True
-                return []
-            return self._parse(data)
+                rest = "" if self._limits.finished else self._limits.rest()
+                return [TokenEvent(None, rest)] if rest else []
+            events = self._limits.apply(self._parse(data))
+            self._done = self._limits.overran  # the answer is complete: the rest is not read
+            return events
 
     def _parse(self, data: str) -> list[TokenEvent]:
         try:
@@ -255,7 +375,7 @@ class UpstreamGeneration:
         if "error" in chunk:
             error = chunk["error"]
             message = error.get("message") if isinstance(error, dict) else error
-            raise UpstreamFailure("status", self._scrub(f"the upstream failed: {message}"))
+            raise UpstreamFailure("status", f"the upstream failed: {self._quote(message)}")
         try:
             self.model = str(chunk.get("model") or self.model)
             usage = chunk.get("usage")
@@ -294,20 +414,43 @@ class UpstreamGeneration:
             self._head = []
             while not self._done:
                 try:
-                    events = await self._next()
+                    events = await self._next_token()
                 except (UpstreamFailure, httpx.HTTPError, httpx.StreamError) as exc:
                     if self._cancelled:
                         raise Cancelled() from None
-                    detail = exc.message if isinstance(exc, UpstreamFailure) else f"connection failed: {exc}"
-                    message = self._scrub(f"the upstream failed mid-answer: {detail}")
+                    if self._limits.finished:
+                        return  # the answer is complete: only its usage is missing
+                    detail = (
+                        exc.message
+                        if isinstance(exc, UpstreamFailure)
+                        else f"connection failed: {self._quote(exc)}"
+                    )
+                    message = f"the upstream failed mid-answer: {detail}"
                     raise ApiError(502, message, type_="server_error", code="upstream_error") from None
                 for event in events:
                     yield event
         finally:
             await self._response.aclose()
 
+    async def _next_token(self) -> list[TokenEvent]:
+        """The next events that hold a token (or the end), within `read_timeout_s`: bytes that
+        carry none (comments, tokenless chunks) do not restart the clock."""
+        try:
+            async with asyncio.timeout(self._token_timeout_s):
+                events: list[TokenEvent] = []
+                while not events and not self._done:
+                    events = await self._next()
+                return events
+        except TimeoutError:
+            raise UpstreamFailure(
+                "timeout", f"the upstream sent no token for {self._token_timeout_s:g} s"
+            ) from None
+
     def usage(self) -> tuple[int, int] | None:
-        """See Metered."""
+        """See Metered. An answer the upstream overran counts the tokens passed on, not those the
+        upstream says it made (its own count, if it came, is of more)."""
+        if self._limits.overran:
+            return None if self._usage is None else (self._usage[0], self._limits.tokens)
         return self._usage
 
     def cancel(self) -> None:
