@@ -85,7 +85,7 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
         else parse_request(CompletionRequest, data)
     )
     report_ignored(server, body)
-    jobs = _jobs(body, settings, fallback=request.headers.get("x-sits-fallback", "").lower() != "off")
+    jobs = await _jobs(body, settings, fallback=request.headers.get("x-sits-fallback", "").lower() != "off")
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
         first = await start_generation(server, jobs[0], gone)
@@ -115,7 +115,7 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
     return JSONResponse(answer, headers=served_headers(run.served_by))
 
 
-def _jobs(
+async def _jobs(
     body: ChatCompletionRequest | CompletionRequest, settings: AgentSettings, *, fallback: bool
 ) -> list[Job]:
     """One job per choice (`n`), or ApiError 400 for what cannot be honoured. `fallback`: whether
@@ -128,7 +128,7 @@ def _jobs(
             code="invalid_value",
         )
     if isinstance(body, ChatCompletionRequest):
-        grammar = grammar_for(body)
+        grammar = await asyncio.to_thread(grammar_for, body)  # compiling takes up to a second
         tools = (
             None
             if body.tool_mode() == "none"

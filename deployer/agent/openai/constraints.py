@@ -16,6 +16,10 @@ nothing left but more whitespace or more digits, and fills max_tokens with them.
 hold only the declared parameters (additionalProperties false where an object with properties
 says nothing else): they become a function's arguments, where an undeclared one is an error; a
 `strict` json_schema is closed the same way.
+
+A request holds at most 128 tools (schemas.MAX_TOOLS) and 256 KiB of their parameter schemas
+(MAX_TOOL_SCHEMA_BYTES); more is a 400 naming `tools`. The routes build the grammar in a worker
+thread: it takes up to some tenths of a second, which the event loop never waits for.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ from deployer.agent.openai.schemas import (
     ToolIn,
 )
 
-__all__ = ["grammar_for"]
+__all__ = ["MAX_TOOL_SCHEMA_BYTES", "grammar_for"]
 
 JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A]{0,10}"}  # up to 4 levels of indent
 SAFE_INTEGER = 2**53 - 1
+MAX_TOOL_SCHEMA_BYTES = 256 << 10
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _VALUES = ("enum", "const", "default", "examples")  # JSON values in a schema, not schemas
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -51,8 +56,13 @@ def grammar_for(request: ChatCompletionRequest) -> str | None:
     mode = request.tool_mode()
     if mode == "none":
         return None if answer is None else _lark(f"start: {_json(answer)}")
-    tools = [t for t in request.tools or () if mode in ("auto", "required") or t.function.name == mode]
-    body = _call_body(tools, request)
+    tools = [
+        (i, t)
+        for i, t in enumerate(request.tools or ())
+        if mode in ("auto", "required") or t.function.name == mode
+    ]
+    _check_size(tools)
+    body = _call_body(tools)
     # A named function is called once (as OpenAI does); `required` may call several in parallel.
     several = request.parallel_tool_calls and mode in ("auto", "required")
     some = 'call ("\\n" call)*' if several else "call"
@@ -85,19 +95,34 @@ def _answer_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
     return None
 
 
-def _call_body(tools: list[ToolIn], request: ChatCompletionRequest) -> str:
-    """The Lark rule `call_body`: what follows TOOL_CALL_OPEN in a call of any one of `tools`."""
-    all_tools = request.tools or []
+def _call_body(tools: list[tuple[int, ToolIn]]) -> str:
+    """The Lark rule `call_body`: what follows TOOL_CALL_OPEN in a call of any one of `tools` (each
+    with its index in the request, which an error names)."""
     bodies = []
-    for tool in tools:
+    for index, tool in tools:
         schema = tool.function.schema_()
-        _check(schema, f"tools.{all_tools.index(tool)}.function.parameters")
+        _check(schema, f"tools.{index}.function.parameters")
         schema = _rewrite(schema, _closed)
         before, after = tool_call_frame(tool.function.name)
         bodies.append(
             f"{json.dumps(before.removeprefix(TOOL_CALL_OPEN))} {_json(schema)} {json.dumps(after)}"
         )
     return f"call_body: {' | '.join(bodies)}\n"
+
+
+def _check_size(tools: list[tuple[int, ToolIn]]) -> None:
+    """ApiError 400 naming `tools` when their parameter schemas are more than this agent compiles:
+    compiling grows with them (0.6 s at this limit, in a worker thread), and llguidance refuses a
+    grammar not much larger anyway."""
+    size = sum(len(json.dumps(tool.function.schema_())) for _, tool in tools)
+    if size > MAX_TOOL_SCHEMA_BYTES:
+        raise ApiError(
+            400,
+            f"the tools' parameter schemas come to {size} bytes of JSON, above the "
+            f"{MAX_TOOL_SCHEMA_BYTES} this agent compiles into a grammar; send fewer or smaller tools",
+            param="tools",
+            code="invalid_value",
+        )
 
 
 def _json(schema: dict[str, Any]) -> str:

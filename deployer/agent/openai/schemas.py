@@ -28,6 +28,7 @@ __all__ = [
 ]
 
 _MAX_STOP = 4  # as OpenAI
+MAX_TOOLS = 128  # as OpenAI: each tool is a grammar to compile (openai/constraints.py)
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -242,7 +243,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[ToolIn] | None = None
+    tools: list[ToolIn] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from llguidance import LLMatcher, LLTokenizer
 
 from deployer.agent.chat import TextCodec, tool_call_text
-from deployer.agent.openai.constraints import grammar_for
+from deployer.agent.openai.constraints import MAX_TOOL_SCHEMA_BYTES, grammar_for
 from deployer.agent.openai.schemas import ApiError, ChatCompletionRequest, parse_request
 from deployer.agent.openai.tool_parser import ToolCallParser
 from deployer.agent.types import ToolCall
@@ -113,6 +113,26 @@ def test_bad_schemas_are_400s_naming_the_parameter(extra, param):
     with pytest.raises(ApiError) as info:
         grammar_for(parse_request(ChatCompletionRequest, body))
     assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_too_many_or_too_large_tools_are_400s_naming_tools():
+    # 5,000 tools (~900 KB) took seconds of a quadratic lookup on the event loop; now they are
+    # refused by count (OpenAI's 128) before any work, and 100 large schemas by their size.
+    def tools(count: int, properties: int) -> list[dict]:
+        schema = {"type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(properties)}}
+        return [
+            {"type": "function", "function": {"name": f"f{i}", "parameters": schema}} for i in range(count)
+        ]
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}
+    with pytest.raises(ApiError) as info:
+        parse_request(ChatCompletionRequest, {**body, "tools": tools(5000, 2)})
+    assert (info.value.status, info.value.param) == (400, "tools")
+    with pytest.raises(ApiError) as info:
+        grammar_for(parse_request(ChatCompletionRequest, {**body, "tools": tools(100, 200)}))
+    assert (info.value.status, info.value.param) == (400, "tools")
+    assert f"above the {MAX_TOOL_SCHEMA_BYTES}" in info.value.message
+    assert grammar_for(parse_request(ChatCompletionRequest, {**body, "tools": tools(128, 2)}))  # within both
 
 
 def _parse(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
