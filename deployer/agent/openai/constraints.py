@@ -9,13 +9,15 @@ constrained decoding: `response_format` (json_object, json_schema) and `tool_cho
   held to the same frame and schemas from there on (a lazy trigger: the text is never masked).
 - `none` or no tools: only response_format constrains.
 
-JSON in every case allows at most a few spaces and newlines between tokens (pretty-printed JSON
-stays possible), and an integer without bounds is held to ±(2^53 - 1), the integers every JSON
-parser reads exactly: a model that would rather write a field the schema forbids otherwise has
-nothing left but more whitespace or more digits, and fills max_tokens with them. Tool arguments
-hold only the declared parameters (additionalProperties false where an object with properties
-says nothing else): they become a function's arguments, where an undeclared one is an error; a
-`strict` json_schema is closed the same way.
+JSON in every case is written compact, as `json.dumps` does (`{"a": 1, "b": [2, 3]}`: one space
+after each colon and comma, none elsewhere), and an integer without bounds is held to
+±(2^53 - 1), the integers every JSON parser reads exactly. Both for one reason: a model that would
+rather write something the schema forbids has nothing left but free whitespace or more digits,
+and fills max_tokens with them (a small model under a strict schema wrote `{"city"` and then
+newlines until the budget ran out). Tool arguments hold only the declared parameters
+(additionalProperties false where an object with properties says nothing else): they become a
+function's arguments, where an undeclared one is an error; a `strict` json_schema is closed the
+same way.
 
 A request holds at most 128 tools (schemas.MAX_TOOLS) and 256 KiB of their parameter schemas
 (MAX_TOOL_SCHEMA_BYTES); more is a 400 naming `tools`. The routes build the grammar in a worker
@@ -41,7 +43,9 @@ from deployer.agent.openai.schemas import (
 
 __all__ = ["MAX_TOOL_SCHEMA_BYTES", "grammar_for"]
 
-JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A]{0,10}"}  # up to 4 levels of indent
+# Compact JSON as json.dumps writes it (and OpenAI's strict output reads): no free whitespace, which
+# a small model would otherwise spend its budget on ('{"city"\n\n\n\n:\n\n' until max_tokens).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SAFE_INTEGER = 2**53 - 1
 MAX_TOOL_SCHEMA_BYTES = 256 << 10
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")

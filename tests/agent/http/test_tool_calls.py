@@ -115,6 +115,28 @@ def test_bad_schemas_are_400s_naming_the_parameter(extra, param):
     assert (info.value.status, info.value.param) == (400, param)
 
 
+def test_json_is_compact_so_no_budget_goes_on_whitespace(accepts):
+    # A small model under a strict schema wrote '{"city"\n\n\n\n:\n\n ...' until max_tokens: JSON
+    # from schemas and tools has no free whitespace, only json.dumps's one space after ":" and ",".
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "tags": {"type": "array"}},
+        "required": ["city", "days"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": schema, "strict": True}}
+    grammar = _grammar(tool_choice="none", response_format=fmt)
+    assert accepts(grammar, '{"city": "Paris", "days": 2}')
+    assert accepts(grammar, '{"city": "Paris", "days": 2, "tags": ["a", 1]}')
+    for spaced in (
+        '{"city"\n: "Paris", "days": 2}',
+        '{ "city": "Paris", "days": 2}',
+        '{"city":  "Paris", "days": 2}',
+    ):
+        assert not accepts(grammar, spaced), spaced
+    named = _grammar(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert not accepts(named, PARIS.replace('{"city": "Paris"}', '{"city":\n"Paris"}'))
+
+
 def test_too_many_or_too_large_tools_are_400s_naming_tools():
     # 5,000 tools (~900 KB) took seconds of a quadratic lookup on the event loop; now they are
     # refused by count (OpenAI's 128) before any work, and 100 large schemas by their size.
