@@ -121,7 +121,8 @@ def serve(settings: AgentSettings) -> None:
     """Serve the current version over the OpenAI-compatible API until SIGTERM.
 
     Cleans up after an interrupted install first. Exits non-zero when the current version fails
-    to load, so systemd's OnFailure= unit can roll back.
+    to load, so systemd's OnFailure= unit can roll back, and when the server's event loop stops
+    answering, so that Restart=on-failure restarts it.
     """
     from deployer.agent.http.server import run_server  # torch and the engine load only here
 

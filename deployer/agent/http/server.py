@@ -303,7 +303,9 @@ def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | N
     """`sits-agent serve`: listen, load the store's current version, tell systemd, serve until SIGTERM.
 
     Raises AgentError when the current version cannot be loaded, so the process exits non-zero and
-    systemd's OnFailure= rollback unit can return the device to the previous version.
+    systemd's OnFailure= rollback unit can return the device to the previous version; and when the
+    server's event loop stops answering, so that Restart=on-failure restarts it. Only SIGTERM (or
+    SIGINT) ends it without an error.
     """
     configure_journal_logging()
     # Before any engine loads: torch reads these when it first compiles.
@@ -325,10 +327,18 @@ def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | N
     while not stop.wait(1.0):
         if not server.alive():
             break
-    lifecycle_event("stopping", version=result.active_version, reason="signal")
+    stuck = not stop.is_set()  # the loop stopped answering (or its thread died), no signal came
+    reason = "the event loop stopped answering" if stuck else "signal"
+    lifecycle_event("stopping", version=result.active_version, reason=reason)
     server.notifier.stopping("stopping")
     watchdog.stop()
     server.stop()
+    if stuck:
+        # A failure, so that systemd's Restart=on-failure brings the agent back (exit 0 would not).
+        raise AgentError(
+            f"the HTTP server's event loop stopped answering for {_LOOP_CHECK_S:g} s; stopped",
+            hint="systemd restarts the agent; the journal lines before this one say what held the loop",
+        )
 
 
 def _install_signal_handlers(server: AgentServer, stop: threading.Event) -> None:
