@@ -25,9 +25,11 @@ from click.testing import CliRunner
 from deployer.agent.cli import cli as agent_cli
 from deployer.cli.main import cli
 from deployer.core.redact import (
+    MIN_FRAGMENT,
     RedactingFilter,
     Secret,
     redact,
+    redact_pieces,
     redacted_json,
     redacting_stdio,
     redaction_scope,
@@ -214,3 +216,16 @@ def test_a_channel_password_never_reaches_the_agents_output(tmp_path: Path, proj
     text = "\n".join(shown) + device.state_path.read_text()
     assert "<password of the channel url>" in text  # the url was named, its password redacted
     assert CHANNEL_PASSWORD not in text, _context(text, CHANNEL_PASSWORD)
+
+
+def test_no_piece_of_a_secret_survives_a_cut_anywhere():
+    # A third party's text quoting the key, cut to length at any point: what is left of the key
+    # goes whole, the piece on either side of the cut too, down to MIN_FRAGMENT characters.
+    key = "sk-9f3b2c71d0e84a65b7c1e2f3a4d5c6b7e8f9a0b1"
+    text = f"upstream said: bad auth Bearer {key} (request {key[5:30]})"
+    for cut in range(len(text) + 1):
+        shown = redact_pieces(text[:cut], key, "[redacted]")
+        pieces = [key[i : i + MIN_FRAGMENT] for i in range(len(key) - MIN_FRAGMENT + 1)]
+        assert not [p for p in pieces if p in shown], (cut, shown)
+    assert redact_pieces(text, key, "[R]") == "upstream said: bad auth Bearer [R] (request [R])"
+    assert redact_pieces("k" * 100_000, "sk-" + "k" * 32, "[R]") == "[R]"  # one run, one label
