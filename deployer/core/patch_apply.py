@@ -135,7 +135,9 @@ def open_patch(path: Path) -> Iterator[PatchFile]:
     Raises FormatError (cannot read) or UnsafePathError.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # Non-blocking: a named pipe without a writer would block the open itself, before fstat
+        # can refuse it, while the caller holds the store lock. Reads of a regular file ignore it.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == 40:  # ELOOP: the last component is a symlink
             raise UnsafePathError(f"{path}: the patch is a symlink; refusing to follow it") from exc

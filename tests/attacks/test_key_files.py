@@ -1,6 +1,7 @@
 """The device's trust policy files (`etc/sits/keys/*.pub` and `threshold`) replaced by something
 that is no file: a named pipe with no writer would block `sits-agent install` forever while it
-holds the store lock, a device file would be read without end. Each is refused by name, at once.
+holds the store lock, a device file would be read without end. Each is refused by name, at once;
+so is a named pipe handed over as the patch itself.
 
 A named pipe is opened only by `sits-agent` running as a process, under a deadline: a hang is a
 failure, not a stuck suite."""
@@ -64,3 +65,21 @@ def test_key_files_must_be_small_regular_files(tmp_path, kit):
     link = tmp_path / "link.pub"
     link.symlink_to(kit.public_key)  # a key installed as a link to a regular file is still a key
     assert read_key_file(link) == kit.public_key.read_bytes()
+
+
+def test_a_named_pipe_as_the_patch_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "update.sitspatch"
+    os.mkfifo(fifo)
+    probe = (
+        "import sys; from pathlib import Path; from deployer.core.patch_apply import open_patch\n"
+        "try:\n    open_patch(Path(sys.argv[1])).__enter__()\nexcept Exception as exc: print(exc)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(fifo)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=DEADLINE_S,
+    )
+    assert done.stdout.strip() == f"{fifo}: the patch is not a regular file", done.stderr
