@@ -13,12 +13,13 @@ from tests.transport.proxy import CuttingProxy
 
 @pytest.fixture
 def proxy_to(hub: Lab) -> Iterator[Callable[..., CuttingProxy]]:
-    """Factory: proxy_to(host, port=22, cut_after=None) -> a CuttingProxy on 127.0.0.1 inside the hub."""
+    """Factory: proxy_to(host, port=22, cut_after=None, cuts=1) -> a CuttingProxy on 127.0.0.1 inside
+    the hub."""
     proxies: list[CuttingProxy] = []
 
-    def make(host: str, port: int = 22, cut_after: int | None = None) -> CuttingProxy:
+    def make(host: str, port: int = 22, cut_after: int | None = None, cuts: int = 1) -> CuttingProxy:
         require_hub_for(host)  # raises unless this thread is in the hub
-        proxy = CuttingProxy((host, port), cut_after=cut_after)
+        proxy = CuttingProxy((host, port), cut_after=cut_after, cuts=cuts)
         proxies.append(proxy)
         return proxy
 

@@ -1,4 +1,5 @@
-"""A loopback TCP proxy that counts the bytes each connection carries and can cut the link once.
+"""A loopback TCP proxy that counts the bytes each connection carries and can cut the link, once
+or every N bytes (a flaky link).
 
 It stands between a client and a server (an SSH client and a device, a device and nginx) to drop a
 real connection mid-transfer (both sockets are closed, as when a link dies) and to measure what
@@ -15,24 +16,27 @@ from typing import Literal
 
 
 class CuttingProxy:
-    """Listen on 127.0.0.1 and forward to `target`. Once the bytes sent in `direction`, over all
-    connections, pass `cut_after`, the connection carrying that byte is cut (the bytes up to the
-    limit still arrive); later connections are left alone."""
+    """Listen on 127.0.0.1 and forward to `target`. Each time the bytes sent in `direction`, over
+    all connections, pass a multiple of `cut_after` (up to `cuts` times), the connection carrying
+    that byte is cut (the bytes up to the limit still arrive); after the last cut connections are
+    left alone."""
 
     def __init__(
         self,
         target: tuple[str, int],
         *,
         cut_after: int | None = None,
+        cuts: int = 1,
         direction: Literal["up", "down"] = "up",
         timeout: float = 30,
     ) -> None:
         self.target = target
         self.cut_after = cut_after
+        self.cuts = cuts
         self.direction = direction
         self.timeout = timeout
         self.counted: list[int] = []  # bytes in `direction`, per accepted connection, in order
-        self.cut = False
+        self.cuts_made = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self._stop = threading.Event()
@@ -44,6 +48,16 @@ class CuttingProxy:
     @property
     def port(self) -> int:
         return self._listener.getsockname()[1]
+
+    @property
+    def cut(self) -> bool:
+        """Whether a connection was cut."""
+        return self.cuts_made > 0
+
+    @property
+    def total(self) -> int:
+        """Bytes in `direction` over every connection."""
+        return sum(self.counted)
 
     @property
     def connections(self) -> int:
@@ -103,10 +117,10 @@ class CuttingProxy:
     def _count(self, index: int, data: bytes) -> tuple[bytes, bool]:
         """Count `data` on connection `index`; trim it and report a cut when it passes the limit."""
         with self._lock:
-            if self.cut_after is not None and not self.cut:
-                room = self.cut_after - sum(self.counted)
+            if self.cut_after is not None and self.cuts_made < self.cuts:
+                room = self.cut_after * (self.cuts_made + 1) - sum(self.counted)
                 if room < len(data):
-                    self.cut = True
+                    self.cuts_made += 1
                     data = data[: max(room, 0)]
                     self.counted[index] += len(data)
                     return data, True
