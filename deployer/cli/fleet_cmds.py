@@ -3,6 +3,7 @@ call each. Tables and JSON (data) go to stdout, progress and messages to stderr.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -13,18 +14,24 @@ import click
 from rich.console import Group
 from rich.live import Live
 from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
 from deployer.cli.common import console, emit_json, examples, info, output_option, stdout, verbosity
+from deployer.config.quantity import format_rate, format_seconds
 from deployer.errors import SitsError
 
 if TYPE_CHECKING:
     from deployer.push.cost import RolloutCost
-    from deployer.push.executor import RolloutReport
+    from deployer.push.executor import MeterFactory, RolloutReport
     from deployer.push.fleet import FleetPlan, FleetSession
+    from deployer.push.meter import TransferStatus
     from deployer.push.plan import Plan
+    from deployer.transport.base import Progress as OnBytes
 
 F = TypeVar("F", bound=Callable[..., Any])
+PROGRESS_MIN_BYTES = 1 << 20  # smaller uploads (units, settings, manifests) show no progress
+LINE_EVERY_S = 10.0  # without a terminal: a line per device this often during a long upload
 
 
 def _fleet_options(func: F) -> F:
@@ -165,26 +172,52 @@ def _report_table(report: RolloutReport) -> Table:
 
 
 class _Board:
-    """Live progress per device and phase on stderr (rich), fed from worker threads."""
+    """Live progress per device and phase on stderr (rich), fed from worker threads: a table of
+    phases, and under it a bar with rate and ETA for each long upload."""
 
     def __init__(self) -> None:
         self.rows: dict[str, tuple[str, str]] = {}
         self.lock = threading.Lock()
-        self.live = Live(self._table(), console=console(), refresh_per_second=4, transient=False)
+        self.bars = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TextColumn("{task.fields[eta]}"),
+            console=console(),
+        )
+        self._tasks: dict[tuple[str, str], TaskID] = {}
+        self.live = Live(self._render(), console=console(), refresh_per_second=4, transient=False)
 
     def update(self, device: str, phase: str, detail: str) -> None:
         with self.lock:
             self.rows[device] = (phase, detail[:80])
-            self.live.update(Group(self._table()))
+            self.live.update(self._render())
 
-    def _table(self) -> Table:
+    def transfer(self, device: str, status: TransferStatus) -> None:
+        """Draw one upload's bar: bytes, the rate over the last seconds, the time left."""
+        with self.lock:
+            key = (device, status.name)
+            if key not in self._tasks:
+                self._tasks[key] = self.bars.add_task(f"{device} {status.name}", total=status.total)
+            self.bars.update(
+                self._tasks[key],
+                completed=status.done,
+                rate=format_rate(status.rate) if status.rate else "",
+                eta=f"ETA {format_seconds(status.eta_s)}"
+                if status.eta_s and status.done < status.total
+                else "",
+            )
+            self.live.update(self._render())
+
+    def _render(self) -> Group:
         table = Table(show_header=True, box=None)
         table.add_column("device")
         table.add_column("phase")
         table.add_column("detail")
         for device, (phase, detail) in sorted(self.rows.items()):
             table.add_row(device, phase, escape(detail))
-        return table
+        return Group(table, self.bars) if self._tasks else Group(table)
 
 
 def _on_phase(board: _Board | None) -> Callable[[str, str, str], None]:
@@ -205,6 +238,28 @@ def _on_phase(board: _Board | None) -> Callable[[str, str, str], None]:
     return on_phase
 
 
+def _meter(board: _Board | None) -> MeterFactory | None:
+    """Progress of each upload of PROGRESS_MIN_BYTES or more: a bar on the board, else (when not
+    quiet) a line per device every LINE_EVERY_S seconds and at the end, with rate and ETA."""
+    from deployer.push.meter import TransferMeter
+
+    if board is None and verbosity() < 0:
+        return None
+
+    def meter(device: str, name: str) -> OnBytes:
+        def show(status: TransferStatus) -> None:
+            if status.total < PROGRESS_MIN_BYTES:
+                return
+            if board is not None:
+                board.transfer(device, status)
+            else:
+                console().print(f"{device}: send {status.describe()}", markup=False)
+
+        return TransferMeter(name, show, every_s=0.25 if board is not None else LINE_EVERY_S)
+
+    return meter
+
+
 def _execute(fleet: FleetSession, fp: FleetPlan, action: str, output: str) -> None:
     from deployer.push.fleet import apply_plan
 
@@ -212,12 +267,15 @@ def _execute(fleet: FleetSession, fp: FleetPlan, action: str, output: str) -> No
     board = _Board() if show else None
     on_phase = _on_phase(board)
     project = Path(__file__).resolve().parents[2]
+    run = functools.partial(
+        apply_plan, fleet, fp, action=action, on_phase=on_phase, meter=_meter(board), project_dir=project
+    )
     try:
         if board:
             with board.live:
-                report = apply_plan(fleet, fp, action=action, on_phase=on_phase, project_dir=project)
+                report = run()
         else:
-            report = apply_plan(fleet, fp, action=action, on_phase=on_phase, project_dir=project)
+            report = run()
     finally:
         fleet.close()
     if output == "json":

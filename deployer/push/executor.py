@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from deployer.config.models import Config
 from deployer.core.hashing import sha256_bytes
@@ -56,6 +56,7 @@ from deployer.push.rollout import (
 )
 from deployer.release.desired import ReleaseFiles
 from deployer.transport import Transport, run_bounded
+from deployer.transport.base import Progress
 
 __all__ = ["DeviceResult", "Executor", "HookRunner", "ResultStatus", "RolloutReport"]
 
@@ -71,6 +72,8 @@ STAGE_STEPS = frozenset(
 SWITCH_STEPS = frozenset(set(StepKind) - STAGE_STEPS - {StepKind.PRE_DEPLOY_HOOK})
 DEPLOY_STEPS = STAGE_STEPS | SWITCH_STEPS
 OnPhase = Callable[[str, str, str], None]
+# (device, file name) -> the progress callback of that file's upload (rate and ETA for the CLI).
+MeterFactory = Callable[[str, str], Progress]
 # Runs deploy.yaml's hook for context.phase (None: no hook configured); raises HookError.
 HookRunner = Callable[[HookContext], HookResult | None]
 
@@ -190,6 +193,7 @@ class Executor:
         *,
         parallel: int = 4,
         on_phase: OnPhase | None = None,
+        meter: MeterFactory | None = None,
         wheel: Callable[[], Path] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         agent: AgentControl | None = None,
@@ -200,6 +204,7 @@ class Executor:
         self.connect = connect
         self.parallel = parallel
         self.on_phase = on_phase or (lambda _d, _p, _x: None)
+        self.meter = meter
         self.wheel = wheel
         self.sleep = sleep
         self.agent: AgentControl = agent or RemoteAgent(config.health, sleep)
@@ -363,10 +368,12 @@ class Executor:
         facts: DeviceFacts,
         release: ReleaseFiles | None,
     ) -> int:
+        progress = self.meter(site.name, PurePosixPath(act.target).name) if self.meter else None
         if act.source == RELEASE_MANIFEST:
-            return transport.put(_need(release, site).manifest, site.file(act.target)).bytes_sent
+            manifest = _need(release, site).manifest
+            return transport.put(manifest, site.file(act.target), progress=progress).bytes_sent
         if act.source != GENERATED:
-            return transport.put(Path(act.source), site.file(act.target)).bytes_sent
+            return transport.put(Path(act.source), site.file(act.target), progress=progress).bytes_sent
         data = desired_files(self.config, site, systemd=facts.systemd).get(act.target)
         if data is None or sha256_bytes(data) != act.sha256:
             raise AgentError(

@@ -26,7 +26,7 @@ from deployer.core.ratelimit import Throttle, TokenBucket
 from deployer.core.redact import redacted_json
 from deployer.errors import ConfigError, KeyFileError, SignatureError, SitsError
 from deployer.push.bootstrap import AGENT_PROJECT, REMOVED_WHEN_UNSET, build_agent_wheel, desired_files
-from deployer.push.executor import Executor, OnPhase, ResultStatus, RolloutReport
+from deployer.push.executor import Executor, MeterFactory, OnPhase, ResultStatus, RolloutReport
 from deployer.push.facts import DeviceSite, controller_agent_version, gather_fleet
 from deployer.push.health import scrape_metrics
 from deployer.push.operations import DeviceRecipe
@@ -311,6 +311,7 @@ def apply_plan(
     *,
     action: str = "apply",
     on_phase: OnPhase | None = None,
+    meter: MeterFactory | None = None,
     project_dir: Path | None = None,
     releases: Callable[[FleetSession, FleetPlan], Mapping[str, ReleaseFiles]] = prepare_releases,
     executor: Callable[..., Executor] = Executor,
@@ -340,6 +341,7 @@ def apply_plan(
             fleet.transport,
             parallel=fleet.parallel,
             on_phase=on_phase,
+            meter=meter,
             wheel=wheel,
         )
         record: dict[str, Any] = {
