@@ -18,6 +18,7 @@ a typo must not silently fall back to a default on a device nobody is watching. 
         max_tokens: 16
     latency_budget_ms: 5000
     max_connections: 256     # beyond it the longest-idle connection is closed for a new one
+    allowed_hosts: [sits-box.local]   # keyless agent: Host names answered besides loopback ones
     tls_certfile: /etc/sits/tls/cert.pem   # both or neither: HTTPS
     tls_keyfile: /etc/sits/tls/key.pem
     fallback:                # an upstream model per request (docs/fallback.md)
@@ -50,6 +51,8 @@ __all__ = ["AgentSettings", "FallbackPolicy", "FallbackSettings", "SmokePrompt",
 DEFAULT_SETTINGS_PATH = Path("/etc/sits/agent.yaml")
 
 FallbackPolicy = Literal["off", "on-trigger", "always"]
+# A name as a Host header carries it, without the port: a DNS name or an IPv4 address.
+HostName = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9._-]+$")]
 
 
 class FallbackSettings(BaseModel):
@@ -115,6 +118,11 @@ class AgentSettings(BaseModel):
     # Access.
     api_keys_file: Path | None = Field(
         default=None, description="hashed bearer keys; default <root>/etc/sits/api-keys"
+    )
+    allowed_hosts: tuple[HostName, ...] = Field(
+        default=(),
+        description="Host header names a keyless agent answers besides localhost, its loopback "
+        "addresses and `host` (DNS rebinding: a web page must not reach the model)",
     )
     metrics_auth: Literal["api-key", "none"] = Field(
         default="api-key", description="/metrics: needs a key when the API does, or never"

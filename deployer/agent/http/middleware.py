@@ -6,8 +6,10 @@ counter, the header-size and API-key guard, and the bounded reading of a JSON bo
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 
 from starlette.datastructures import Headers
@@ -108,13 +110,42 @@ class Counted:
             self.metrics.requests.labels(endpoint=endpoint, status=str(holder.get("status", GONE))).inc()
 
 
+# A Host header: a name or IPv4 address, or an IPv6 address in brackets, with an optional port.
+_HOST = re.compile(r"^(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+))(?::[0-9]{1,5})?$")
+
+
+def host_names(settings: AgentSettings) -> frozenset[str]:
+    """The Host names a keyless agent answers to besides loopback addresses: localhost, agent.yaml's
+    `host` and its `allowed_hosts`."""
+    names = ("localhost", settings.host, *settings.allowed_hosts)
+    return frozenset(name.lower().strip("[]") for name in names)
+
+
+def host_allowed(header: str, names: frozenset[str]) -> bool:
+    """Whether a request's Host header names this agent: one of `names` or a loopback address, with
+    any port."""
+    match = _HOST.match(header.strip().lower())
+    if match is None:
+        return False
+    name = match["v6"] or match["name"].removesuffix(".")
+    if name in names:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 class Guard:
-    """Header size (h11 bounds only headers still arriving), then bearer keys on every route but
-    the open ones (and /metrics when metrics_auth is "none")."""
+    """Header size (h11 bounds only headers still arriving); then, on a keyless agent, the Host
+    header (a web page whose name was rebound to 127.0.0.1 must not reach the model: DNS
+    rebinding); then bearer keys on every route but the open ones (and /metrics when metrics_auth
+    is "none")."""
 
     def __init__(self, app: ASGIApp, server: AgentApp) -> None:
         self.app = app
         self.server = server
+        self.host_names = host_names(server.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -123,6 +154,20 @@ class Guard:
             error = ApiError(431, f"the request headers exceed {limit} bytes", code="headers_too_large")
             await error_response(error)(scope, receive, send)
             return
+        if scope["type"] == "http" and not self.server.keyring.required:
+            host = Headers(scope=scope).get("host")
+            # No Host at all (HTTP/1.0) comes from no browser, so it cannot be DNS rebinding.
+            if host is not None and not host_allowed(host, self.host_names):
+                self.server.metrics.auth_failures.labels(reason="foreign_host").inc()
+                error = ApiError(
+                    403,
+                    f"the Host header {host[:100]!r} does not name this agent: without API keys it "
+                    "answers only to localhost, its loopback addresses and agent.yaml's allowed_hosts",
+                    type_="permission_error",
+                    code="host_not_allowed",
+                )
+                await error_response(error)(scope, receive, send)
+                return
         exempt = path in OPEN_PATHS or (path == "/metrics" and self.server.settings.metrics_auth == "none")
         if scope["type"] == "http" and not exempt:
             verdict = self.server.keyring.check(Headers(scope=scope).get("authorization"))

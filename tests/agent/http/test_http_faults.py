@@ -30,7 +30,7 @@ def _connect(port: int, rcvbuf: int | None = None) -> socket.socket:
 
 
 def _request(method: str, path: str, body: bytes = b"", extra: bytes = b"") -> bytes:
-    head = b"%s %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % (
+    head = b"%s %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" % (
         method.encode(),
         path.encode(),
     )
@@ -96,7 +96,7 @@ def test_chunked_body_over_the_limit_is_413(agent):
     chunk = b"x" * 1000
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(6)) + b"0\r\n\r\n"
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n" + chunks
     )
     status, _, payload = _read_response(sock)
@@ -106,7 +106,7 @@ def test_chunked_body_over_the_limit_is_413(agent):
 
 def test_oversized_headers_are_refused(agent):
     sock = _connect(agent.port)
-    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Junk: " + b"a" * 40_000 + b"\r\n\r\n")
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Junk: " + b"a" * 40_000 + b"\r\n\r\n")
     status, _, _ = _read_response(sock)
     assert status == 431
     sock.sendall(_request("GET", "/healthz"))

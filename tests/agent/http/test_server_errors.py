@@ -125,7 +125,7 @@ def _open_stream(port, body):
     body = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     seen = b""
