@@ -19,8 +19,9 @@ Admin socket (admin.py; `<root>/run/sits/admin.sock`, the agent's user and root 
 Reloads come from `POST /admin/reload` (what `sits-agent reload` and the updater call, and what
 the unit's ExecReload runs) or from SIGHUP, which re-reads the store's `current` pointer in the
 background. Each reload re-reads the API key file too, so a rotated key takes effect with it.
-uvicorn does the HTTP/1.1 work (keep-alive, chunked bodies, header limits, TLS); protocol.py adds
-the connection cap and deadlines; generation runs off the loop behind generate.py's seam.
+uvicorn does the HTTP/1.1 work (keep-alive, chunked bodies, header limits); protocol.py adds
+TLS, the connection cap and deadlines, all from accept; generation runs off the loop behind
+generate.py's seam.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import stat
 import threading
 from collections.abc import Callable
@@ -121,6 +123,7 @@ class AgentServer:
         """Bind both listeners, serve them on a background event loop; return the TCP port.
 
         Raises AgentError when an address cannot be bound or the TLS files cannot be read."""
+        tls = _tls_context(self.settings)
         api_sock = _listen_tcp(self.settings)
         try:
             admin_sock = _listen_unix(self.settings.admin_socket_path, self.settings.listen_backlog)
@@ -132,19 +135,9 @@ class AgentServer:
         api_limits = ConnectionLimits(s.max_connections, s.header_timeout_s, s.keep_alive_timeout_s)
         admin_limits = ConnectionLimits(16, s.header_timeout_s, s.keep_alive_timeout_s, own_uids())
         self._servers = [
-            uvicorn.Server(self._config(build_api(self), api_limits, tls=True)),
-            uvicorn.Server(self._config(build_admin(self), admin_limits, tls=False)),
+            uvicorn.Server(self._config(build_api(self), protocol_class(api_limits, self.metrics, tls))),
+            uvicorn.Server(self._config(build_admin(self), protocol_class(admin_limits, self.metrics))),
         ]
-        for server in self._servers:
-            try:
-                server.config.load()  # TLS files are read here: fail in start(), not on the loop
-            except (OSError, ValueError) as exc:
-                api_sock.close()
-                admin_sock.close()
-                raise AgentError(
-                    f"cannot load the TLS certificate {s.tls_certfile} / key {s.tls_keyfile}: {exc}",
-                    hint="check the paths and that the agent's user can read them",
-                ) from exc
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, args=([api_sock], [admin_sock], started), name="sits-http", daemon=True
@@ -157,11 +150,11 @@ class AgentServer:
         lifecycle_event("listening", version=None, reason=f"{scheme}://{s.host}:{self.port}")
         return self.port
 
-    def _config(self, app: ASGIApp, limits: ConnectionLimits, *, tls: bool) -> uvicorn.Config:
+    def _config(self, app: ASGIApp, protocol: type[asyncio.Protocol]) -> uvicorn.Config:
         s = self.settings
-        return uvicorn.Config(
+        config = uvicorn.Config(
             app,
-            http=protocol_class(limits, self.metrics),
+            http=protocol,
             lifespan="off",
             log_config=None,
             access_log=False,  # access lines would carry client addresses at INFO; never keys
@@ -170,9 +163,9 @@ class AgentServer:
             timeout_graceful_shutdown=int(max(1, s.drain_timeout_s)),
             h11_max_incomplete_event_size=s.max_header_bytes,
             backlog=s.listen_backlog,
-            ssl_certfile=str(s.tls_certfile) if tls and s.tls_certfile else None,
-            ssl_keyfile=str(s.tls_keyfile) if tls and s.tls_keyfile else None,
         )
+        config.load()
+        return config
 
     def _serve(self, api: list[socket.socket], admin: list[socket.socket], started: threading.Event) -> None:
         async def main() -> None:
@@ -361,6 +354,22 @@ def _reload_from_signal(server: AgentServer) -> None:
         lifecycle_event("swap-failed", version=None, reason=exc.message)
         return
     _log.info("sits-agent reload %s", json.dumps(result.to_dict(), sort_keys=True))
+
+
+def _tls_context(settings: AgentSettings) -> ssl.SSLContext | None:
+    """The API's TLS server context (None: plain HTTP). The protocol does the handshake itself,
+    so that a connection in its handshake is already under the connection limits."""
+    if settings.tls_certfile is None or settings.tls_keyfile is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(settings.tls_certfile, settings.tls_keyfile)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise AgentError(
+            f"cannot load the TLS certificate {settings.tls_certfile} / key {settings.tls_keyfile}: {exc}",
+            hint="check the paths and that the agent's user can read them",
+        ) from exc
+    return context
 
 
 def _listen_tcp(settings: AgentSettings) -> socket.socket:

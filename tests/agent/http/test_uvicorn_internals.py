@@ -14,7 +14,14 @@ from starlette.responses import PlainTextResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
-OVERRIDDEN = ("connection_made", "connection_lost", "handle_events", "on_response_complete")
+OVERRIDDEN = (
+    "connection_made",
+    "connection_lost",
+    "data_received",
+    "handle_events",
+    "on_response_complete",
+    "send_400_response",
+)
 ATTRIBUTES = ("cycle", "connections", "loop", "transport")  # set by H11Protocol itself
 CYCLE_ATTRIBUTES = ("response_complete",)
 
