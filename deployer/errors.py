@@ -172,7 +172,12 @@ class HostKeyError(RefusedError):
 
 
 class AgentError(SitsError):
-    """The device agent refused or failed an operation."""
+    """The device agent refused or failed an operation. ``param`` names the request field a
+    refusal concerns, as the client sent it (the API's error object carries it), when one does."""
+
+    def __init__(self, message: str, *, hint: str | None = None, param: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.param = param
 
 
 class GrammarError(AgentError):

@@ -83,7 +83,11 @@ class TokenProcessor:
         n = vocab.n_logits
         bad = [i for i, _ in params.logit_bias if not 0 <= i < n]
         if bad:
-            raise AgentError(f"logit_bias names token ids outside the vocabulary (0..{n - 1}): {bad}")
+            shown = ", ".join(map(str, bad[:8])) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            raise AgentError(
+                f"logit_bias names token ids outside the vocabulary (0..{n - 1}): {shown}",
+                param="logit_bias",
+            )
         self._bias_ids = np.array([i for i, _ in params.logit_bias], dtype=np.int64)
         self._bias = np.array([b for _, b in params.logit_bias], dtype=np.float32)
         self._seen: dict[int, int] = {}  # generated token id -> how often

@@ -85,6 +85,37 @@ async def _generate(server: AgentApp, request: Request, kind: Kind) -> Response:
         else parse_request(CompletionRequest, data)
     )
     report_ignored(server, body)
+    try:
+        return await _answer(server, request, kind, body, started)
+    except ApiError as exc:
+        if exc.status == 400 and exc.param is None:
+            exc.param = _constrained_by(body)
+        raise
+
+
+def _constrained_by(body: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The field whose grammar constrains the answer (tools, else response_format), or None.
+
+    Every refusal of a request's other fields names its field where it is raised (here, in the
+    schemas, or by the engine for logit_bias and embedding inputs); the grammar's do not: the
+    constraints compiler and the engine see a grammar, not where it came from."""
+    if not isinstance(body, ChatCompletionRequest):
+        return None
+    if body.tool_mode() != "none":
+        return "tools"
+    if body.response_format is not None and body.response_format.type != "text":
+        return "response_format"
+    return None
+
+
+async def _answer(
+    server: AgentApp,
+    request: Request,
+    kind: Kind,
+    body: ChatCompletionRequest | CompletionRequest,
+    started: float,
+) -> Response:
+    settings = server.settings
     jobs = await _jobs(body, settings, fallback=request.headers.get("x-sits-fallback", "").lower() != "off")
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
@@ -193,19 +224,20 @@ def _max_tokens(
     requested = request.requested_max_tokens()
     if requested is None:
         return max(1, min(settings.max_tokens, room))
+    name = request.max_tokens_param()
     if requested > settings.max_tokens:
         raise ApiError(
             400,
-            f"max_tokens {requested} is above this agent's limit of {settings.max_tokens}",
-            param="max_tokens",
+            f"{name} {requested} is above this agent's limit of {settings.max_tokens}",
+            param=name,
             code="invalid_value",
         )
     if requested > room:
         raise ApiError(
             400,
-            f"max_tokens {requested} plus the prompt's {prompt_len} tokens exceed the model's context "
+            f"{name} {requested} plus the prompt's {prompt_len} tokens exceed the model's context "
             f"of {context} tokens",
-            param="max_tokens",
+            param=name,
             code="context_length_exceeded",
         )
     return requested

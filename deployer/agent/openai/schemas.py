@@ -29,6 +29,7 @@ __all__ = [
 
 _MAX_STOP = 4  # as OpenAI
 MAX_TOOLS = 128  # as OpenAI: each tool is a grammar to compile (openai/constraints.py)
+MAX_LOGIT_BIAS = 1024  # entries; each is checked against the vocabulary, and a refusal lists them
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -198,7 +199,11 @@ class _Sampling(_Wire):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: (
-        dict[Annotated[str, Field(pattern=r"^\d{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None
+        Annotated[
+            dict[Annotated[str, Field(pattern=r"^\d{1,9}$")], Annotated[float, Field(ge=-100, le=100)]],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
     ) = None
     # Extensions that llama.cpp's and vLLM's servers take too.
     top_k: int = Field(default=0, ge=0)
@@ -267,6 +272,10 @@ class ChatCompletionRequest(_Sampling):
         """`max_completion_tokens` (the newer name) or `max_tokens`, None when neither is given."""
         return self.max_completion_tokens or self.max_tokens
 
+    def max_tokens_param(self) -> str:
+        """The name the client gave its token budget under (what an error about it names)."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
     def top_logprobs_count(self) -> int | None:
         """See _Sampling.top_logprobs_count: `top_logprobs` when `logprobs` is true."""
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -305,6 +314,10 @@ class CompletionRequest(_Sampling):
     def requested_max_tokens(self) -> int | None:
         """`max_tokens` as given."""
         return self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        """See ChatCompletionRequest.max_tokens_param."""
+        return "max_tokens"
 
     def top_logprobs_count(self) -> int | None:
         """See _Sampling.top_logprobs_count: `logprobs` is the count here."""

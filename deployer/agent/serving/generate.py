@@ -321,9 +321,10 @@ def api_error(exc: BaseException) -> ApiError:
         )
     if isinstance(exc, GrammarError):
         # Not retried by clients (a 5xx would be, and fail the same way): the schema must change.
-        return ApiError(400, str(exc), code="grammar_dead_end")
+        return ApiError(400, str(exc), param=exc.param, code="grammar_dead_end")
     if isinstance(exc, SitsError):
         # Raised before the first token (tokenizing, the engine refusing the prompt or parameters).
-        return ApiError(400, exc.message, code="invalid_request")
+        param = exc.param if isinstance(exc, AgentError) else None
+        return ApiError(400, exc.message, param=param, code="invalid_request")
     lifecycle_event("generation-failed", version=None, reason=f"{type(exc).__name__}: {exc}")
     return ApiError(500, f"generation failed: {exc}", type_="server_error", code="engine_error")

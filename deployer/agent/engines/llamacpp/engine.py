@@ -260,7 +260,7 @@ class LlamaCppEngine(Engine):
         a generation slot's context (a pooled sequence must fit in one of its batches)."""
         loaded = self._require()
         if any(not text for text in texts):
-            raise AgentError("an input is empty; embeddings need at least one token")
+            raise AgentError("an input is empty; embeddings need at least one token", param="input")
         if self._embedder is None:
             n_ctx = loaded.batch.context_length
             self._embedder = _on_llama_thread(
@@ -291,7 +291,7 @@ class LlamaCppEngine(Engine):
                     embedder.embed, piece, normalize=True, truncate=False, return_count=True
                 )
             except ValueError as exc:  # an input longer than the context
-                raise AgentError(f"cannot embed the input: {exc}") from exc
+                raise AgentError(f"cannot embed the input: {exc}", param="input") from exc
             vectors += [list(map(float, v)) for v in done]
             count += int(n)
         return vectors, count

@@ -359,7 +359,8 @@ class TorchEngine(Engine):
             for ids in piece:
                 if not ids or len(ids) > loaded.model.max_len:
                     raise AgentError(
-                        f"an input has {len(ids)} tokens; embeddings take 1..{loaded.model.max_len}"
+                        f"an input has {len(ids)} tokens; embeddings take 1..{loaded.model.max_len}",
+                        param="input",
                     )
                 vectors.append(self._embed_one(loaded, ids))
                 count += len(ids)
