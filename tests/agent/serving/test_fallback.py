@@ -10,7 +10,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -21,7 +21,6 @@ from deployer.agent.http.server import AgentServer
 from deployer.agent.settings import FallbackSettings, load_settings
 from deployer.errors import AgentError, ConfigError
 from tests.agent.conftest import EngineWrapper, metric_is
-from tests.agent.serving.hostile_upstream import HostileUpstream
 
 QUESTION = [{"role": "user", "content": "Hello there"}]
 KEY = "sk-upstream-" + "k" * 32
@@ -151,23 +150,6 @@ class PacedEngine(EngineWrapper):
         return self._engine.step(slots)
 
 
-# -- a misbehaving upstream, for the tests that need one ------------------------------------------
-
-
-@pytest.fixture
-def bad_upstream() -> Iterator[Callable[..., HostileUpstream]]:
-    """`bad_upstream(mode, **options)`: a HostileUpstream, closed at teardown."""
-    servers: list[HostileUpstream] = []
-
-    def make(mode: str, **options: object) -> HostileUpstream:
-        servers.append(HostileUpstream(mode, **options))
-        return servers[-1]
-
-    yield make
-    for server in servers:
-        server.close()
-
-
 # -- policies and triggers ------------------------------------------------------------------------
 
 
@@ -222,9 +204,9 @@ def test_not_ready_goes_upstream_streamed_and_not(start_agent, fallback, upstrea
     assert edge.metrics.value("sits_fallbacks_total", reason="not_ready") == 2
 
 
-def test_not_ready_without_a_usable_upstream_is_a_503(start_agent, bad_upstream):
+def test_not_ready_without_a_usable_upstream_is_a_503(start_agent, hostile):
     # A hanging upstream (the misbehaving server): the device has no model and the upstream no answer.
-    hung = bad_upstream("hang")
+    hung = hostile("hang")
     edge = start_agent(
         load=False, fallback=FallbackSettings(base_url=hung.url, model="m", first_token_timeout_s=0.3)
     )
@@ -420,9 +402,9 @@ def _logprob_pairs(entries: list) -> list[tuple[str, object, list[str]]]:
 
 
 @pytest.mark.parametrize("mode", ["500-echo", "garbage", "hang"])
-def test_a_failing_upstream_leaves_the_answer_to_the_device(start_agent, bad_upstream, model_name, mode):
+def test_a_failing_upstream_leaves_the_answer_to_the_device(start_agent, hostile, model_name, mode):
     # The misbehaving server: an error status, a body that is no OpenAI stream, no answer at all.
-    bad = bad_upstream(mode)
+    bad = hostile(mode)
     settings = FallbackSettings(base_url=bad.url, model="m", policy="always", first_token_timeout_s=0.5)
     edge = start_agent(fallback=settings)
     headers, reply = _chat(edge, model_name)
@@ -432,19 +414,19 @@ def test_a_failing_upstream_leaves_the_answer_to_the_device(start_agent, bad_ups
     assert edge.metrics.value("sits_fallback_failures_total", kind=kind) == 1
 
 
-def test_an_upstream_failing_mid_stream_ends_the_stream_with_an_error(start_agent, bad_upstream):
+def test_an_upstream_failing_mid_stream_ends_the_stream_with_an_error(start_agent, hostile):
     # The misbehaving server sends one good chunk and drops the connection: the answer is already the
     # upstream's, so it ends with an error event instead of going on with the device's tokens.
-    bad = bad_upstream("truncate")
+    bad = hostile("truncate")
     edge = start_agent(load=False, fallback=FallbackSettings(base_url=bad.url, model="m"))
     with pytest.raises(openai.APIError) as info:
         _stream(edge, "m")
     assert "the upstream failed mid-answer" in str(info.value)
 
 
-def test_the_breaker_stops_calling_a_failing_upstream(start_agent, bad_upstream, model_name):
+def test_the_breaker_stops_calling_a_failing_upstream(start_agent, hostile, model_name):
     # The misbehaving server answers 500 to everything.
-    bad = bad_upstream("500-echo")
+    bad = hostile("500-echo")
     settings = FallbackSettings(
         base_url=bad.url, model="m", policy="always", breaker_failures=2, breaker_backoff_s=600
     )
@@ -457,9 +439,9 @@ def test_the_breaker_stops_calling_a_failing_upstream(start_agent, bad_upstream,
     assert edge.metrics.value("sits_fallback_breaker_state", state="open") == 1
 
 
-def test_the_key_reaches_the_upstream_and_nothing_else(start_agent, bad_upstream, short_dir, caplog):
+def test_the_key_reaches_the_upstream_and_nothing_else(start_agent, hostile, short_dir, caplog):
     # The misbehaving server echoes the Authorization header it was sent in its 500 error.
-    bad = bad_upstream("500-echo")
+    bad = hostile("500-echo")
     key_file = short_dir / "fallback-key"
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o600)

@@ -6,7 +6,6 @@ limits hold on its answer, and a stream it keeps busy without tokens ends (docs/
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
 
 import openai
 import pytest
@@ -14,24 +13,9 @@ import pytest
 from deployer.agent.http.server import AgentServer
 from deployer.agent.settings import FallbackSettings
 from deployer.core.redact import MIN_FRAGMENT
-from tests.agent.serving.hostile_upstream import HostileUpstream
 
 KEY = "sk-9f3b2c71d0e84a65b7c1e2f3a4d5c6b7e8f9a0b1"  # no word of a message in it
 QUESTION = [{"role": "user", "content": "Hello there"}]
-
-
-@pytest.fixture
-def hostile() -> Iterator[Callable[..., HostileUpstream]]:
-    """`hostile(mode, **options)`: a HostileUpstream, closed at teardown."""
-    servers: list[HostileUpstream] = []
-
-    def make(mode: str, **options: object) -> HostileUpstream:
-        servers.append(HostileUpstream(mode, **options))
-        return servers[-1]
-
-    yield make
-    for server in servers:
-        server.close()
 
 
 def _client(agent: AgentServer, timeout: float = 60) -> openai.OpenAI:
