@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from deployer import __version__
-from deployer.build import quality
+from deployer.build import awq, quality
 from deployer.build.artifact import (
     WEIGHTS_NAME,
     WeightsWriter,
     copy_files,
     file_records,
     load_state_dict,
+    module_quants,
     read_manifest,
     write_manifest,
 )
@@ -34,7 +35,6 @@ from deployer.build.source import SourceModel, iter_tensors, open_source, source
 from deployer.build.spec import BuildRequest, BuildResult, QualityReport
 from deployer.build.store import Store, build_key
 from deployer.core.hashing import sha256_file
-from deployer.core.manifest import FORMAT_VERSION
 from deployer.core.quant_layout import ModuleQuant
 from deployer.errors import BuildError
 
@@ -51,6 +51,12 @@ class _Written:
     size: int
     scorer: Callable[[], AbstractContextManager[quality.Scorer]]
     runtime: str = "torch"
+    awq: dict[str, Any] | None = None  # the manifest's quantization.spec.awq
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight of the decoder's linear layers."""
+        return quality.bits_per_weight(self.tensors, self.modules)
 
 
 def build_artifact(request: BuildRequest, *, progress: BuildProgress | None = None) -> BuildResult:
@@ -80,7 +86,9 @@ def find_built(request: BuildRequest) -> BuildResult | None:
     SourceModelError for a bad source.
     """
     source = open_source(request.source_dir)
-    artifact_id = Store(request.store_dir).lookup(build_key(_cache_inputs(request, source_sha256(source))))
+    calibration = awq.read_calibration(request.awq) if request.awq else None
+    key = build_key(_cache_inputs(request, source_sha256(source), calibration))
+    artifact_id = Store(request.store_dir).lookup(key)
     if artifact_id is None:
         return None
     return _cached(request, Store(request.store_dir), artifact_id, time.perf_counter())
@@ -90,7 +98,8 @@ def _build(request: BuildRequest, progress: BuildProgress, started: float) -> Bu
     source = open_source(request.source_dir)
     progress.stage(f"hashing source {source.path}")
     source_id = source_sha256(source)
-    key = build_key(_cache_inputs(request, source_id))
+    calibration = awq.read_calibration(request.awq) if request.awq else None
+    key = build_key(_cache_inputs(request, source_id, calibration))
     store = Store(request.store_dir)
     if request.use_cache and (artifact_id := store.lookup(key)):
         return _cached(request, store, artifact_id, started)
@@ -98,7 +107,7 @@ def _build(request: BuildRequest, progress: BuildProgress, started: float) -> Bu
         if request.format == "gguf":
             written = _write_gguf(source, request, staged, progress)
         else:
-            written = _write_weights(source, request, staged, progress)
+            written = _write_weights(source, request, staged, progress, calibration)
             copy_files(source.path, source.copy_files, staged)
         report = _gate(request, source, written, progress)
         manifest = _manifest(request, source, source_id, written, file_records(staged), report)
@@ -116,19 +125,37 @@ def _build(request: BuildRequest, progress: BuildProgress, started: float) -> Bu
     )
 
 
-def _cache_inputs(request: BuildRequest, source_id: str) -> dict[str, Any]:
-    """Everything that shapes the artifact's bytes (the gate's limits do not: they only judge)."""
+def _cache_inputs(
+    request: BuildRequest, source_id: str, calibration: awq.Calibration | None = None
+) -> dict[str, Any]:
+    """Everything that shapes the artifact's bytes (the gate's limits do not: they only judge).
+
+    Raises BuildError when the calibration text is the eval text: the gate must score text the
+    quantizer never saw."""
     gate = request.gate
-    # The format joins the key only when it is not the default, so existing caches stay valid.
-    formats = {"format": request.format} if request.format != "safetensors" else {}
+    eval_sha256 = _eval_sha256(gate.eval_text) if gate else None
+    # The format (and its version) join the key only when not the defaults, so existing caches
+    # stay valid.
+    formats: dict[str, Any] = {"format": request.format} if request.format != "safetensors" else {}
+    if request.format_version != 1:
+        formats["format_version"] = request.format_version
     if request.format == "gguf":
         # Both shape the bytes: the tensor types, and the gate's figures in the manifest.
         formats |= {"gguf_int4": request.gguf_int4, "gate_runtime": _gguf_gate_runtime()}
+    if calibration is not None and gate is not None and calibration.sha256 == eval_sha256:
+        raise BuildError(
+            f"{calibration.path}: model.quantization.calibration is the same text as "
+            f"model.quality_gate.eval_text ({gate.eval_text})",
+            hint="calibrate and evaluate on different texts: the gate must score text the "
+            "quantizer never saw",
+        )
+    awq_inputs = {"awq": {"calibration_sha256": calibration.sha256}} if calibration else {}
     return {
         **formats,
+        **awq_inputs,
         "source_sha256": source_id,
         "quant": request.quant.to_json(),
-        "eval_sha256": _eval_sha256(gate.eval_text) if gate else None,
+        "eval_sha256": eval_sha256,
         "max_tokens": gate.max_tokens if gate else None,
         "model": {"name": request.name, "version": request.version},
         "builder": BUILDER,
@@ -150,7 +177,8 @@ def _cached(request: BuildRequest, store: Store, artifact_id: str, started: floa
     manifest = read_manifest(artifact_dir)
     report = None
     if request.gate and manifest.quality:
-        report = quality.apply_limits(quality.report_from_manifest(manifest.quality), request.gate)
+        bits = quality.bits_per_weight(manifest.tensors, module_quants(manifest))
+        report = quality.apply_limits(quality.report_from_manifest(manifest.quality, bits), request.gate)
         quality.enforce(report, request.quant.label)
     return BuildResult(
         artifact_dir=artifact_dir,
@@ -164,8 +192,13 @@ def _cached(request: BuildRequest, store: Store, artifact_id: str, started: floa
 
 
 def _write_weights(
-    source: SourceModel, request: BuildRequest, staged: Path, progress: BuildProgress
+    source: SourceModel,
+    request: BuildRequest,
+    staged: Path,
+    progress: BuildProgress,
+    calibration: awq.Calibration | None,
 ) -> _Written:
+    folds = awq.search_folds(source, request.quant, calibration, progress.stage) if calibration else None
     plans = _plans(source, request)
     total_bytes = sum(source_tensor.entry.length for source_tensor in source.tensors)
     writer = WeightsWriter(staged / WEIGHTS_NAME, (t for p in plans.values() for t in p.outputs))
@@ -176,6 +209,8 @@ def _write_weights(
             plan = plans.get(source_tensor.name)
             if plan is None:
                 continue
+            if folds is not None:
+                tensor = folds.apply(source_tensor.name, tensor)
             for name, stored in quantize_tensor(plan, tensor).items():
                 writer.write(name, stored)
             progress.tensor_done(source_tensor.name, source_tensor.entry.length)
@@ -190,7 +225,13 @@ def _write_weights(
         len(writer.records),
         writer.size,
         lambda: quality.torch_scorer(source, load_state_dict(staged, modules)),
+        awq=None if folds is None or calibration is None else _awq_record(calibration, folds),
     )
+
+
+def _awq_record(calibration: awq.Calibration, folds: awq.Folds) -> dict[str, Any]:
+    """The manifest's `quantization.spec.awq`."""
+    return {"calibration_sha256": calibration.sha256, "tokens": folds.tokens}
 
 
 def _write_gguf(
@@ -236,7 +277,8 @@ def _gate(
         return None
     progress.stage(f"quality gate: scoring on up to {request.gate.max_tokens} tokens ({written.runtime})")
     with written.scorer() as scorer:
-        report = quality.apply_limits(quality.measure(source, scorer, request.gate), request.gate)
+        measured = quality.measure(source, scorer, request.gate, written.bits_per_weight)
+        report = quality.apply_limits(measured, request.gate)
     quality.enforce(report, request.quant.label)
     return report
 
@@ -250,7 +292,7 @@ def _manifest(
     report: QualityReport | None,
 ) -> dict[str, Any]:
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": request.format_version,
         "kind": "sits-artifact",
         "model": {
             "name": request.name,
@@ -259,7 +301,7 @@ def _manifest(
         },
         "source": {"sha256": source_id},
         "quantization": {
-            "spec": request.quant.to_json(),
+            "spec": {**request.quant.to_json(), **({"awq": written.awq} if written.awq else {})},
             "modules": {m: q.to_json() for m, q in sorted(written.modules.items())},
         },
         "files": files,

@@ -14,17 +14,21 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
+from deployer.build.quantize import is_head_or_embedding
 from deployer.build.source import SourceModel
 from deployer.build.spec import GateSpec, QualityReport
 from deployer.core.hashing import sha256_file
 from deployer.core.manifest import QualityInfo
+from deployer.core.quant_layout import ModuleQuant
+from deployer.core.safetensors_io import DTYPE_SIZES
 from deployer.errors import BuildError, QualityGateError
 
 # Windows are scored independently; 512 keeps logits memory small (window x vocab x 4 bytes).
@@ -56,8 +60,6 @@ class _Totals:
 
 def eval_tokens(source: SourceModel, eval_text: Path, max_tokens: int) -> list[int]:
     """The first `max_tokens` tokens of the eval text, with the model's own tokenizer."""
-    from tokenizers import Tokenizer
-
     try:
         text = eval_text.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -65,11 +67,53 @@ def eval_tokens(source: SourceModel, eval_text: Path, max_tokens: int) -> list[i
             f"{eval_text}: cannot read the eval text ({exc})",
             hint="quality_gate.eval_text must name a UTF-8 text file",
         ) from exc
-    tokenizer = Tokenizer.from_file(str(source.path / "tokenizer.json"))
-    ids = tokenizer.encode(text, add_special_tokens=False).ids[:max_tokens]
+    ids = encode(source, text)[:max_tokens]
     if len(ids) < 2:
         raise BuildError(f"{eval_text}: the eval text has fewer than 2 tokens")
     return ids
+
+
+def encode(source: SourceModel, text: str) -> list[int]:
+    """`text` as token ids of the source model's own tokenizer (no special tokens added)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(source.path / "tokenizer.json"))
+    return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+class _StoredTensor(Protocol):
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
+def bits_per_weight(tensors: Mapping[str, _StoredTensor], modules: Mapping[str, ModuleQuant]) -> float:
+    """Stored bits per weight of the decoder's linear layers (what the scheme quantizes: the
+    embeddings, the output head and the norms are left out), scales and zero points included.
+
+    `modules` are a safetensors artifact's module records; a GGUF artifact has none, and its
+    `blk.*` matrices are counted by their ggml types instead.
+    """
+    bits = weights = 0
+    if modules:
+        for module, quant in modules.items():
+            if is_head_or_embedding(module):
+                continue
+            weights += quant.in_features * quant.out_features
+            for suffix in ("weight", "weight_scale", "weight_zero"):
+                if (t := tensors.get(f"{module}.{suffix}")) is not None:
+                    bits += 8 * DTYPE_SIZES[t.dtype] * math.prod(t.shape)
+    else:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        for name, t in tensors.items():
+            if name.startswith("blk.") and len(t.shape) == 2:
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t.dtype]]
+                weights += math.prod(t.shape)
+                bits += 8 * size * math.prod(t.shape) // block
+    return round(bits / weights, 3) if weights else 0.0
 
 
 def load_model(source: SourceModel, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
@@ -139,8 +183,9 @@ def llama_cpp_scorer(gguf_path: Path, context: int) -> Iterator[Scorer]:
         llm.close()
 
 
-def measure(source: SourceModel, quantized: Scorer, gate: GateSpec) -> QualityReport:
-    """Score the quantized model `quantized` against the source model on the gate's eval text."""
+def measure(source: SourceModel, quantized: Scorer, gate: GateSpec, bits: float) -> QualityReport:
+    """Score the quantized model `quantized` (`bits` per weight) against the source model on the
+    gate's eval text."""
     tokens = eval_tokens(source, gate.eval_text, gate.max_tokens)
     size = window(source)
     totals = _Totals()
@@ -160,6 +205,7 @@ def measure(source: SourceModel, quantized: Scorer, gate: GateSpec) -> QualityRe
         increase_pct=_sig((q_ppl / ref_ppl - 1.0) * 100.0),
         top1_agreement=round(totals.agree / totals.positions, 6),
         mean_kl=_sig(totals.kl / totals.positions),
+        bits_per_weight=bits,
     )
 
 
@@ -199,8 +245,9 @@ def apply_limits(report: QualityReport, gate: GateSpec) -> QualityReport:
     return replace(report, failures=tuple(failures))
 
 
-def report_from_manifest(quality: QualityInfo) -> QualityReport:
-    """The figures a cached artifact recorded, to judge them against today's limits."""
+def report_from_manifest(quality: QualityInfo, bits: float) -> QualityReport:
+    """The figures a cached artifact recorded (`bits` per weight, from its tensors), to judge
+    them against today's limits."""
     return QualityReport(
         eval_sha256=quality.eval_sha256,
         tokens=quality.tokens,
@@ -209,6 +256,7 @@ def report_from_manifest(quality: QualityInfo) -> QualityReport:
         increase_pct=quality.perplexity.increase_pct,
         top1_agreement=quality.top1_agreement,
         mean_kl=quality.mean_kl,
+        bits_per_weight=bits,
     )
 
 
@@ -220,12 +268,13 @@ def enforce(report: QualityReport, label: str) -> None:
         f"quality gate failed for {label} on {report.tokens} eval tokens:",
         f"  perplexity  reference {report.reference_perplexity:.4g}  "
         f"quantized {report.quantized_perplexity:.4g}  ({report.increase_pct:+.2f}%)",
-        f"  top-1 agreement {report.top1_agreement:.4f}   mean KL {report.mean_kl:.4g}",
+        f"  top-1 agreement {report.top1_agreement:.4f}   mean KL {report.mean_kl:.4g}   "
+        f"bits per weight {report.bits_per_weight:g}",
         *(f"  FAILED: {f}" for f in report.failures),
     ]
     raise QualityGateError(
         "\n".join(lines),
-        report={**report.to_json(), "failures": list(report.failures)},
+        report={**report.summary(), "failures": list(report.failures)},
         hint="use a gentler scheme (int8, a smaller int4 group, overrides) or relax "
         "model.quality_gate in deploy.yaml",
     )

@@ -2,8 +2,8 @@
 docs/artifact-format.md (described, and read back, by `deployer.core.quant_layout`).
 
 * int8: symmetric, one fp16 scale per output channel.
-* int4: asymmetric, per group of `g` input columns; the range of each group always includes 0,
-  so the zero padding of the columns is exact and a zero weight stays zero.
+* int4: asymmetric, per group of `g` input columns, over each group's own min..max range (an
+  fp16 zero point, so the range need not include 0; artifact format 2).
 
 `plan_tensor` decides what a source tensor becomes (pure, from its name and shape only), so the
 artifact header can be written before any tensor is quantized.
@@ -88,7 +88,7 @@ def plan_tensor(spec: QuantSpec, name: str, shape: tuple[int, ...]) -> TensorPla
         outputs: tuple[StoredTensor, ...] = (
             StoredTensor(name, "U8", (out_features, in_padded // 2)),
             StoredTensor(f"{name}_scale", "F16", (out_features, groups)),
-            StoredTensor(f"{name}_zero", "U8", (out_features, groups)),
+            StoredTensor(f"{name}_zero", "F16", (out_features, groups)),
         )
         quant = ModuleQuant("int4", group_size, in_features, in_padded, out_features)
         return TensorPlan(name, module, quant, outputs)

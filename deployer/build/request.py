@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deployer.build.spec import BuildRequest, GateSpec, Override, QuantSpec
+from deployer.build.spec import AwqSpec, BuildRequest, GateSpec, Override, QuantSpec
 from deployer.build.store import STORE_DIRNAME
-from deployer.errors import BuildError
 
 if TYPE_CHECKING:
     from deployer.config import Config
@@ -20,11 +19,9 @@ def request_from_config(config: Config, *, use_cache: bool = True) -> BuildReque
 
     model = config.model
     quant = model.quantization
+    awq = None
     if quant.awq:
-        raise BuildError(
-            "model.quantization.awq: activation-aware scaling is not supported by this builder",
-            hint="remove `awq: true` (plain int4/int8 weight-only quantization is used)",
-        )
+        awq = AwqSpec(config.resolve(quant.calibration) if quant.calibration else None)
     spec = QuantSpec(
         scheme=quant.scheme,
         group_size=quant.group_size,
@@ -51,4 +48,5 @@ def request_from_config(config: Config, *, use_cache: bool = True) -> BuildReque
         # The llama.cpp engine runs GGUF files: build the artifact it can load.
         format="gguf" if config.agent.engine == "llama.cpp" else "safetensors",
         gguf_int4=quant.gguf_int4,
+        awq=awq,
     )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deployer.core.manifest import FLOAT_SCHEMES, INTEGER_SCHEMES
+from deployer.core.manifest import FLOAT_SCHEMES, FORMAT_VERSION, INTEGER_SCHEMES
 from deployer.errors import BuildError
 
 SCHEMES = FLOAT_SCHEMES + INTEGER_SCHEMES
@@ -82,6 +82,19 @@ class QuantSpec:
         """A short name for tables and engine descriptions, e.g. "int4-g128"."""
         return f"int4-g{self.group_size}" if self.scheme == "int4" else self.scheme
 
+    @property
+    def uses_int4(self) -> bool:
+        """True when some module may be stored int4 (the scheme, the preset or an override)."""
+        return self.scheme in ("int4", "layered") or any(o.scheme == "int4" for o in self.overrides)
+
+
+@dataclass(frozen=True)
+class AwqSpec:
+    """Activation-aware scaling: per-input-channel scales searched on `calibration` (None: the
+    text shipped with the package, deployer/core/calibration.txt) and folded into the model."""
+
+    calibration: Path | None = None
+
 
 @dataclass(frozen=True)
 class GateSpec:
@@ -114,6 +127,7 @@ class BuildRequest:
     use_cache: bool = True
     format: str = "safetensors"
     gguf_int4: str = GGUF_INT4_TYPES[0]
+    awq: AwqSpec | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -124,6 +138,20 @@ class BuildRequest:
             raise BuildError(
                 f"unknown GGUF int4 type {self.gguf_int4!r}", hint=f"use one of {', '.join(GGUF_INT4_TYPES)}"
             )
+        if self.awq is not None and self.format == "gguf":
+            raise BuildError(
+                "model.quantization.awq: activation-aware scaling is built for the torch engine's "
+                "artifacts, not GGUF",
+                hint="remove `awq: true`, or use agent.engine: torch",
+            )
+
+    @property
+    def format_version(self) -> int:
+        """The artifact format this request needs: 2 for int4 weights (fp16 zero points) or
+        AWQ in a safetensors artifact, else 1 (readable by agents that know only format 1)."""
+        if self.format == "safetensors" and (self.quant.uses_int4 or self.awq is not None):
+            return FORMAT_VERSION
+        return 1
 
 
 @dataclass(frozen=True)
@@ -137,6 +165,7 @@ class QualityReport:
     increase_pct: float
     top1_agreement: float
     mean_kl: float
+    bits_per_weight: float
     failures: tuple[str, ...] = field(default=())
 
     @property
@@ -145,7 +174,8 @@ class QualityReport:
         return not self.failures
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest's `quality` object (limits and failures are not part of the artifact)."""
+        """The manifest's `quality` object (limits and failures are not part of the artifact;
+        nor is `bits_per_weight`, which the manifest's tensors already tell: see `summary`)."""
         return {
             "eval_sha256": self.eval_sha256,
             "tokens": self.tokens,
@@ -157,6 +187,10 @@ class QualityReport:
             "top1_agreement": self.top1_agreement,
             "mean_kl": self.mean_kl,
         }
+
+    def summary(self) -> dict[str, Any]:
+        """What the build reports: the manifest's figures and the bits per weight."""
+        return {**self.to_json(), "bits_per_weight": self.bits_per_weight}
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def result_json(result: BuildResult) -> dict[str, Any]:
         "tensors": result.tensors,
         "bytes_written": result.bytes_written,
         "seconds": round(result.seconds, 3),
-        "quality": result.quality.to_json() if result.quality else None,
+        "quality": result.quality.summary() if result.quality else None,
     }
 
 
@@ -125,7 +125,7 @@ def _print_result(request: BuildRequest, result: BuildResult) -> None:
         info(
             f"quality on {q.tokens} tokens: perplexity {q.reference_perplexity:.4g} -> "
             f"{q.quantized_perplexity:.4g} ({q.increase_pct:+.2f}%), top-1 agreement "
-            f"{q.top1_agreement:.3f}, mean KL {q.mean_kl:.4g}"
+            f"{q.top1_agreement:.3f}, mean KL {q.mean_kl:.4g}, {q.bits_per_weight:g} bits per weight"
         )
     info(f"artifact {result.artifact_id}")
     info(f"  at {result.artifact_dir}")

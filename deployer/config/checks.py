@@ -33,6 +33,7 @@ from deployer.config.models import (
     merge_fallbacks,
 )
 from deployer.config.sourcemap import SourceMap
+from deployer.core.calibration import DEFAULT_CALIBRATION, MIN_WORDS, text_problem
 
 GGUF_BLOCK = 32  # weights per GGUF 4-bit block (Q4_0/Q4_1)
 
@@ -190,7 +191,7 @@ def _model_findings(given: CheckInput) -> tuple[ModelShape | None, list[Finding]
     model = given.model
     if model is None:
         return None, []
-    findings = []
+    findings = _calibration_findings(given, model)
     gate = model.quality_gate
     if gate is not None and not given.resolve(gate.eval_text).is_file():
         findings.append(_missing_file(given, ("model", "quality_gate", "eval_text"), gate.eval_text))
@@ -224,6 +225,45 @@ def _model_findings(given: CheckInput) -> tuple[ModelShape | None, list[Finding]
         return None, findings
 
 
+def _calibration_findings(given: CheckInput, model: ModelSpec) -> list[Finding]:
+    """The calibration text of `awq`: used only with awq, a readable UTF-8 text long enough for
+    the scale search, and not the quality gate's eval text (the gate must score unseen text)."""
+    quant, gate = model.quantization, model.quality_gate
+    at = ("model", "quantization", "calibration")
+    if quant.calibration is not None and not quant.awq:
+        hint = "set awq: true, or remove calibration"
+        return [given.positions.finding(at, "calibration is used only with awq: true", hint)]
+    if not quant.awq:
+        return []
+    path = given.resolve(quant.calibration) if quant.calibration else DEFAULT_CALIBRATION
+    if not path.is_file():
+        return [_missing_file(given, at, quant.calibration or str(path))]
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return [given.positions.finding(at, f"cannot read {path} ({exc.strerror or exc})", "fix the path")]
+    problem = text_problem(data)
+    if problem is not None:
+        return [
+            given.positions.finding(
+                at,
+                f"{path}:{problem.line}:{problem.column}: the calibration text {problem.message}",
+                f"use a UTF-8 text of at least {MIN_WORDS} words, like what the model will read",
+            )
+        ]
+    eval_path = given.resolve(gate.eval_text) if gate is not None else None
+    if eval_path is not None and eval_path.is_file() and eval_path.read_bytes() == data:
+        where = at if quant.calibration else ("model", "quality_gate", "eval_text")
+        return [
+            given.positions.finding(
+                where,
+                "the calibration text and quality_gate.eval_text are the same text",
+                "calibrate and evaluate on different texts: the gate must score text the quantizer never saw",
+            )
+        ]
+    return []
+
+
 def _engine_findings(given: CheckInput) -> list[Finding]:
     """The llama.cpp engine runs a GGUF artifact, whose 4-bit types quantize blocks of 32 weights;
     `gguf_int4` means something only there, and only when some weights are int4."""
@@ -241,6 +281,14 @@ def _engine_findings(given: CheckInput) -> list[Finding]:
                 ("model", "quantization", "gguf_int4"),
                 f"gguf_int4 is not used: {unused}",
                 "remove it, or use agent.engine: llama.cpp with int4 weights (scheme int4 or layered)",
+            )
+        )
+    if quant.awq and llama_cpp:
+        findings.append(
+            given.positions.finding(
+                ("model", "quantization", "awq"),
+                "awq is built for the torch engine's artifacts, not llama.cpp's GGUF",
+                "remove awq: true, or set agent.engine: torch",
             )
         )
     return findings + [

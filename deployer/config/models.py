@@ -193,6 +193,11 @@ class QuantOverride(_Model):
 class Quantization(_Model):
     """How weights are stored. ``layered``: embeddings/head fp16, attention int4, MLP int8.
 
+    ``awq``: activation-aware scaling (torch engine): per-input-channel scales searched on
+    ``calibration`` (a UTF-8 text file relative to deploy.yaml, at least 200 words; default: a
+    text shipped with sits-deployer) and folded into the norms and linears before quantizing.
+    The calibration text must differ from ``quality_gate.eval_text``.
+
     ``gguf_int4`` picks the GGUF type of int4 weights for ``agent.engine: llama.cpp``: Q4_1
     (asymmetric, with a per-block minimum, like the torch engine's int4) or Q4_0 (symmetric:
     10% smaller, a little less accurate).
@@ -202,6 +207,7 @@ class Quantization(_Model):
     group_size: GroupSize = 128
     overrides: list[QuantOverride] = []
     awq: bool = False
+    calibration: FilePath | None = None
     gguf_int4: GGUFInt4 = "Q4_1"
 
     def scheme_for(self, module: str) -> tuple[Scheme, int]:

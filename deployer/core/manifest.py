@@ -7,15 +7,26 @@ can read manifests with it and the build spec can share its scheme names cheaply
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
 
 from deployer.core.canonical import parse_json
 from deployer.errors import FormatError
 
 MANIFEST_NAME = "sits-manifest.json"
-FORMAT_VERSION = 1
+# 2: int4 zero points are fp16 (exact-range int4) and the spec may record activation-aware
+# scaling. The builder writes 2 only where an artifact needs it (int4 weights or AWQ in a
+# safetensors artifact), so other artifacts stay readable by agents that know only 1.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 # The manifest describes every file; it is small, so anything larger is refused unread.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -50,12 +61,28 @@ class OverrideInfo(_Strict):
     group_size: int | None = None
 
 
+class AwqInfo(_Strict):
+    """Activation-aware scaling (format 2): which calibration text chose the scales."""
+
+    calibration_sha256: str = Field(pattern=SHA256_PATTERN)
+    tokens: int = Field(ge=1)
+
+
 class SpecInfo(_Strict):
-    """The quantization spec, as asked (presets not expanded)."""
+    """The quantization spec, as asked (presets not expanded); `awq` only in format 2, and
+    absent (not null) when not used, so format 1 manifests keep their bytes."""
 
     scheme: str
     group_size: int
     overrides: list[OverrideInfo]
+    awq: AwqInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unused_awq(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("awq") is None:
+            data.pop("awq", None)
+        return data
 
 
 class ModuleInfo(_Strict):
@@ -119,7 +146,7 @@ class BuilderInfo(_Strict):
 class ArtifactManifest(_Strict):
     """The whole manifest. Its canonical bytes' sha256 is the artifact id."""
 
-    format_version: Literal[1]
+    format_version: Literal[1, 2]
     kind: Literal["sits-artifact"]
     model: ModelInfo
     source: SourceInfo
@@ -137,8 +164,16 @@ class ArtifactManifest(_Strict):
 def parse_manifest(data: bytes, where: str) -> ArtifactManifest:
     """Parse manifest bytes; raises FormatError naming `where` and the first problem."""
     doc = parse_json(data, where)
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if isinstance(version, int) and version not in READ_VERSIONS:
+        raise FormatError(
+            f"{where}: artifact format_version {version} is not one this sits-deployer reads "
+            f"({', '.join(map(str, READ_VERSIONS))})",
+            hint="upgrade sits-deployer (the device agent) to install it, or build the artifact "
+            "with the sits-deployer version the devices run",
+        )
     try:
-        return ArtifactManifest.model_validate(doc)
+        manifest = ArtifactManifest.model_validate(doc)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
@@ -146,6 +181,12 @@ def parse_manifest(data: bytes, where: str) -> ArtifactManifest:
             f"{where}: invalid manifest at {loc or '<root>'}: {first['msg']}",
             hint="the artifact is corrupt or from an incompatible builder; rebuild it",
         ) from exc
+    if manifest.format_version == 1 and manifest.quantization.spec.awq is not None:
+        raise FormatError(
+            f"{where}: invalid manifest: quantization.spec.awq needs format_version 2",
+            hint="the artifact is corrupt or from an incompatible builder; rebuild it",
+        )
+    return manifest
 
 
 def read_manifest(artifact_dir: Path) -> ArtifactManifest:

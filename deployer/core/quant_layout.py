@@ -4,9 +4,13 @@ lives here too, because the agent also uses it (an int8 output head and an int4 
 see the torch loader).
 
 * int8: symmetric, one fp16 scale per output channel; ``w = q * scale``.
-* int4: asymmetric, per group of `g` input columns, fp16 scale and uint8 zero point (0..15);
-  two values per byte, low nibble = even column; ``w = (q - zero) * scale``. Columns are padded
-  with zeros up to a multiple of `g`, and the padding is dropped when dequantizing.
+* int4: asymmetric, per group of `g` input columns, fp16 scale and fp16 zero point; two values
+  per byte, low nibble = even column; ``w = (q - zero) * scale``. The zero point is a float, so a
+  group's range need not include 0 (Q4_1's float minimum in other units); each group takes that
+  exact range or format 1's range through 0, whichever fits it better (`_int4_groups`). Columns
+  are padded up to a multiple of `g` by repeating each row's last column (so padding never widens
+  a group's range), and the padding is dropped when dequantizing. Artifact format 1 stored the
+  zero point as uint8 0..15 (ranges always through 0); it reads back with the same formula.
 
 Imports only torch and the standard library (no build code), so the device agent can use it.
 The scheme names themselves live in `deployer.core.manifest`, which needs no torch.
@@ -32,6 +36,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 MIN_SCALE = 2.0**-24
 # Rows quantized at once: bounds the fp32 temporaries for large matrices.
 ROW_CHUNK = 1024
+# How far (in steps) a group's range may sit from 0: the zero point then stays within
+# ZERO_LIMIT + 15, where fp16 holds it to 2^-6 of a step; a range further out is widened towards 0.
+ZERO_LIMIT = 64.0
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise int4: (packed uint8 [out, in_p/2], scale fp16 [out, in_p/g],
-    zero uint8 [out, in_p/g]).
+    zero fp16 [out, in_p/g]).
 
     (Clipping each group's range to minimize weight error was tried: it lowered the weight
     error on SmolLM2 but raised perplexity, so the plain min..max range is used.)
@@ -83,32 +90,87 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     in_padded = math.ceil(in_features / group_size) * group_size
     packed = torch.empty(out_features, in_padded // 2, dtype=torch.uint8)
     scale = torch.empty(out_features, in_padded // group_size, dtype=torch.float16)
-    zero = torch.empty(out_features, in_padded // group_size, dtype=torch.uint8)
+    zero = torch.empty(out_features, in_padded // group_size, dtype=torch.float16)
     for rows in range(0, out_features, ROW_CHUNK):
         chunk = slice(rows, rows + ROW_CHUNK)
-        w = torch.nn.functional.pad(weight[chunk].float(), (0, in_padded - in_features))
-        q, scale[chunk], zero[chunk] = _int4_groups(w.reshape(w.shape[0], -1, group_size))
-        q = q.reshape(w.shape[0], in_padded)
+        q, scale[chunk], zero[chunk] = _int4_groups(_groups(weight[chunk].float(), group_size))
+        q = q.reshape(q.shape[0], in_padded)
         packed[chunk] = q[:, 0::2] | (q[:, 1::2] << 4)
     return packed, scale, zero
 
 
-def _int4_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize [rows, n, g] groups over their min..max range: (q, scale fp16, zero uint8).
+def fake_quantize_int4(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp32 [out, in]: what `quantize_int4` then `dequantize_int4` give, without packing (the
+    activation-aware search quantizes every candidate scaling this way)."""
+    q, scale, zero = _int4_groups(_groups(weight.float(), group_size))
+    back = (q.float() - zero.float()[..., None]) * scale.float()[..., None]
+    return back.reshape(weight.shape[0], -1)[:, : weight.shape[1]]
 
-    The zero point is rounded first and the scale then widened just enough that both ends of
-    the range fit; otherwise the largest weights (which matter most) would be clipped.
+
+def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[rows, in] -> [rows, n, group_size], the columns padded by repeating the last one."""
+    pad = -w.shape[1] % group_size
+    if pad:
+        w = torch.cat((w, w[:, -1:].expand(-1, pad)), dim=1)
+    return w.reshape(w.shape[0], -1, group_size)
+
+
+def _int4_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize [rows, n, g] groups: (q, scale fp16, zero fp16), each group on the better of two
+    grids (see `_grid_cost`):
+
+    * its own min..max range with a fractional zero point: no level is wasted (Q4_1's grid);
+    * a range stretched to include 0 with an integer zero point (format 1's grid): 0 is a level,
+      so the many near-zero weights of a heavy-tailed group are not all shifted the same way.
     """
-    low = groups.amin(dim=-1).clamp(max=0.0)
-    high = groups.amax(dim=-1).clamp(min=0.0)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    exact = _grid(groups, *_exact_range(low, high))
+    through_zero = _grid(groups, *_range_through_zero(low, high))
+    pick = _grid_cost(groups, *exact) <= _grid_cost(groups, *through_zero)
+    q = torch.where(pick[..., None], exact[0], through_zero[0])
+    scale = torch.where(pick, exact[1], through_zero[1])
+    zero = torch.where(pick, exact[2], through_zero[2])
+    return q.to(torch.uint8), scale, zero
+
+
+def _exact_range(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) fp16 spanning low..high, the range widened towards 0 only where |zero|
+    would pass ZERO_LIMIT; the scale rounded up so the whole range fits in 0..15."""
+    reach = ZERO_LIMIT / (15.0 + ZERO_LIMIT)
+    low = torch.minimum(low, torch.where(low > 0, high * reach, low))
+    high = torch.maximum(high, torch.where(high < 0, low * reach, high))
+    scale = fp16_scale((high - low) / 15.0 * (1.0 + 2.0**-10))
+    return scale, (-low / scale.float()).to(torch.float16)
+
+
+def _range_through_zero(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) fp16 with an integer zero point 0..15: the zero point is rounded first and
+    the scale then widened just enough that both ends fit (the largest weights matter most)."""
+    low, high = low.clamp(max=0.0), high.clamp(min=0.0)
     zero = torch.round(-low / ((high - low) / 15.0).clamp(min=MIN_SCALE)).clamp_(0, 15)
     fit_high = torch.where(zero < 15, high / (15.0 - zero), torch.zeros_like(high))
     fit_low = torch.where(zero > 0, -low / zero.clamp(min=1.0), torch.zeros_like(low))
-    # Round up to the next fp16 so the stored scale still fits the range.
-    scale = fp16_scale(torch.maximum(fit_high, fit_low) * (1.0 + 2.0**-10))
-    s = scale.float()
-    q = (torch.round(groups / s[..., None]) + zero[..., None]).clamp_(0, 15)
-    return q.to(torch.uint8), scale, zero.to(torch.uint8)
+    return fp16_scale(torch.maximum(fit_high, fit_low) * (1.0 + 2.0**-10)), zero.to(torch.float16)
+
+
+def _grid(
+    groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q as float, scale, zero): `groups` rounded to the levels (q - zero) * scale, q in 0..15."""
+    q = torch.round(groups / scale.float()[..., None] + zero.float()[..., None]).clamp_(0, 15)
+    return q, scale, zero
+
+
+def _grid_cost(
+    groups: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> torch.Tensor:
+    """How much a grid's errors e of a group can move a layer's output sum(x * e): sum(e^2) for
+    inputs that vary independently, plus sum(e)^2 for what they have in common (a mean); the two
+    weigh the same when an input's mean is about its spread, what no calibration tells otherwise.
+    Errors that all lean one way (a grid without 0 for a group of near-zero weights) cost more
+    than their squares say."""
+    error = (q - zero.float()[..., None]) * scale.float()[..., None] - groups
+    return error.pow(2).sum(dim=-1) + error.sum(dim=-1).pow(2)
 
 
 def fp16_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -125,7 +187,8 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def dequantize_int4(
     packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int
 ) -> torch.Tensor:
-    """Packed int4 + group scales and zeros -> fp32 [out, in_features] (padding dropped)."""
+    """Packed int4 + group scales and zero points (uint8 in format 1, fp16 since) -> fp32
+    [out, in_features] (padding dropped)."""
     out_features = packed.shape[0]
     q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(out_features, -1)
     group_size = q.shape[1] // scale.shape[1]

@@ -68,11 +68,16 @@ def test_a_failing_gate_exits_1_with_a_report(tiny_model_dir, tmp_path):
     assert store_is_empty(tmp_path / ".sits" / "store")
 
 
-def test_awq_is_refused_clearly(tiny_model_dir, tmp_path):
+def test_awq_builds_and_records_its_calibration(tiny_model_dir, tmp_path):
     deploy = _deploy(tmp_path, tiny_model_dir, 1.0)
     deploy.write_text(
         deploy.read_text().replace("    group_size: 64\n", "    group_size: 64\n    awq: true\n")
     )
-    result = CliRunner().invoke(cli, ["build", "-f", str(deploy)])
-    assert result.exit_code == 1
-    assert "activation-aware scaling is not supported" in result.stderr
+    result = CliRunner().invoke(cli, ["build", "-f", str(deploy), "--output", "json"])
+    assert result.exit_code == 0, result.output
+    built = json.loads(result.stdout)
+    # int4-g64 attention (4.5 bits) and int8 MLP (8 bits and a scale per row)
+    assert 4.5 < built["quality"]["bits_per_weight"] < 8.5
+    manifest = json.loads((Path(built["artifact_dir"]) / "sits-manifest.json").read_text())
+    assert manifest["format_version"] == 2
+    assert set(manifest["quantization"]["spec"]["awq"]) == {"calibration_sha256", "tokens"}

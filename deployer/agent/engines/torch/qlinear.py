@@ -99,7 +99,10 @@ def check_shapes(name: str, w: LinearWeights, layout: ModuleQuant) -> None:
     """Raise FormatError unless the stored tensors have the shapes and dtypes `layout` implies."""
     out, n_in = layout.out_features, layout.in_features
     if layout.scheme == "int8":
-        expected = {"weight": ((out, n_in), torch.int8), "weight_scale": ((out,), None)}
+        expected: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...] | None]] = {
+            "weight": ((out, n_in), (torch.int8,)),
+            "weight_scale": ((out,), None),
+        }
     elif layout.scheme == "int4":
         g, in_p = layout.group_size, layout.in_padded
         if not g or not in_p or in_p % g or in_p % 2 or in_p < n_in or in_p - n_in >= g:
@@ -108,19 +111,21 @@ def check_shapes(name: str, w: LinearWeights, layout: ModuleQuant) -> None:
             )
         groups = (out, in_p // g)
         expected = {
-            "weight": ((out, in_p // 2), torch.uint8),
+            "weight": ((out, in_p // 2), (torch.uint8,)),
             "weight_scale": (groups, None),
-            "weight_zero": (groups, torch.uint8),
+            # uint8 0..15 in artifact format 1, fp16 (exact-range) since: same formula.
+            "weight_zero": (groups, (torch.uint8, torch.float16)),
         }
     else:
         expected = {"weight": ((out, n_in), None)}
     found = {"weight": w.weight, "weight_scale": w.scale, "weight_zero": w.zero}
-    for key, (shape, dtype) in expected.items():
+    for key, (shape, dtypes) in expected.items():
         t = found[key]
-        if t is None or tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+        if t is None or tuple(t.shape) != shape or (dtypes is not None and t.dtype not in dtypes):
             got = None if t is None else f"{t.dtype} {list(t.shape)}"
+            want = " or ".join(map(str, dtypes)) if dtypes else "float"
             raise FormatError(
-                f"{name}.{key}: expected {dtype or 'float'} {list(shape)} for {layout.scheme}, found {got}",
+                f"{name}.{key}: expected {want} {list(shape)} for {layout.scheme}, found {got}",
                 hint="the artifact does not match its manifest; rebuild it",
             )
 
@@ -261,7 +266,7 @@ class _PackedLinear(nn.Module):
         if x2d.dtype != self.act_dtype:
             x2d = x2d.to(self.act_dtype)
         if self.in_padded != self.in_features:
-            # Padded columns were quantized from zeros; zero activations make them vanish exactly.
+            # Zero activations make the padded columns vanish exactly, whatever they hold.
             x2d = F.pad(x2d, (0, self.in_padded - self.in_features))
         y = self._mm(x2d).view(*x.shape[:-1], -1)
         if y.dtype != x.dtype:
