@@ -98,20 +98,24 @@ class Row:
 
 
 class _GateTimer(SilentProgress):
-    """Notes when the quality gate starts: the quantization time is what came before it."""
+    """Wall and CPU seconds (this process, all threads) from its creation until the quality gate
+    starts (or `seconds()` is called): the quantization time."""
 
     def __init__(self) -> None:
-        self.gate_at: float | None = None
+        self.started = (time.perf_counter(), time.process_time())
+        self.gate_at: tuple[float, float] | None = None
 
     def stage(self, text: str) -> None:
         if text.startswith("quality gate") and self.gate_at is None:
-            self.gate_at = time.perf_counter()
+            self.gate_at = (time.perf_counter(), time.process_time())
+
+    def seconds(self) -> tuple[float, float]:
+        end = self.gate_at or (time.perf_counter(), time.process_time())
+        return end[0] - self.started[0], end[1] - self.started[1]
 
 
-def _row(label: str, report, seconds: float) -> Row:
-    return Row(
-        label, report.bits_per_weight, report.increase_pct, report.mean_kl, report.top1_agreement, seconds
-    )
+def _row(label: str, q, timer: _GateTimer) -> Row:
+    return Row(label, q.bits_per_weight, q.increase_pct, q.mean_kl, q.top1_agreement, *timer.seconds())
 
 
 def ours(source: Path, work: Path, gate: GateSpec) -> list[Row]:
@@ -277,7 +281,7 @@ def main() -> None:
     parser.add_argument("--baseline-repo", type=Path, help="also build int4 with this checkout's code")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    console = Console()
+    console = Console(width=150)  # the table whole, also when piped
     gate = GateSpec(EVAL_TEXT, max_tokens=args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="sits-bench-quality-") as tmp:
         work = Path(tmp)
