@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 
 import pytest
@@ -28,7 +29,9 @@ def test_malformed_json(agent, http):
     assert (status, error["code"]) == (400, "invalid_json")
 
 
-def test_unknown_fields_are_ignored_logged_once_and_counted(agent, http, chat_body, caplog):
+def test_unknown_fields_are_ignored_logged_once_and_counted(agent, http, chat_body, caplog, monkeypatch):
+    # An in-process `sits-agent` run earlier in this process (journal logging) turns propagation off.
+    monkeypatch.setattr(logging.getLogger("sits.agent"), "propagate", True)
     for _ in range(2):
         status, _, _ = http(agent.port, "POST", "/v1/chat/completions", chat_body(store=True, sits_unknown=1))
         assert status == 200

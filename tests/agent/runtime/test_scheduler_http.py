@@ -183,12 +183,17 @@ def test_a_request_whose_grammar_refuses_fails_alone_beside_streams(
 
 
 class LoggedEngine(GatedEngine):
-    """A GatedEngine that logs its decode steps and the pieces of its embeddings (both on the
-    engine thread)."""
+    """A GatedEngine that logs its admission rounds, its decode steps and the pieces of its
+    embeddings (all on the engine thread)."""
 
     def __init__(self, engine, gate: threading.Event, generating: threading.Event) -> None:
         super().__init__(engine, gate, generating)
         self.log: list[str] = []
+
+    def prefill_many(self, items):
+        results = super().prefill_many(items)
+        self.log.append("prefill")
+        return results
 
     def step(self, slots):
         tokens = super().step(slots)
@@ -261,8 +266,11 @@ def test_an_embedding_runs_in_pieces_between_the_steps_of_streams(
         assert mine.embedding == pytest.approx(theirs.embedding, abs=1e-5)
     pieces = [i for i, entry in enumerate(log) if entry == "piece"]
     assert len(pieces) == 16
-    # The streams were running throughout (100 tokens each): a decode step between every two pieces.
+    # The streams were running throughout (100 tokens each): engine work for them between every two
+    # pieces, a decode step, or the admission round of a stream that arrived late (a burst's
+    # requests are admitted before the batch steps, so that they start together).
     assert all(b - a > 1 for a, b in itertools.pairwise(pieces)), " ".join(log)
+    assert log.count("step") >= 15, " ".join(log)
 
 
 @pytest.fixture(params=ENGINES)
