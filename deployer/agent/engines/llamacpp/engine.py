@@ -48,7 +48,10 @@ WARMUP_TOKENS = 4
 DEFAULT_SLOTS = 4  # agent.yaml's default max_concurrent
 # The Llama object's own context only tokenizes (generation has a batched context of its own).
 _TOKENIZER_CONTEXT = 32
-INSTALL_HINT = "pip install 'sits-deployer[llamacpp]' (it compiles llama.cpp: several minutes, once)"
+INSTALL_HINT = (
+    "pip install 'sits-deployer[llamacpp]' on a controller, 'sits-agent[llamacpp]' on a device"
+    " (it compiles llama.cpp: several minutes, once)"
+)
 # Token types that can end generation (gguf TokenType CONTROL, USER_DEFINED): few, so the
 # end-of-generation set is asked of llama.cpp once at load rather than per token.
 _SPECIAL_TOKEN_TYPES = (3, 4)
