@@ -32,17 +32,19 @@ def _request(source: Path, store: Path, gate: GateSpec, scheme: str = "int4", **
     )
 
 
-def _measured_in_torch(request: BuildRequest, artifact_dir: Path) -> QualityReport:
+def _measured_in_torch(request: BuildRequest, artifact_dir: Path, bits: float = 0.0) -> QualityReport:
+    """The gate's report of the artifact scored in torch (`bits` per weight is carried, not measured)."""
     source = open_source(request.source_dir)
     plans = plan_gguf(source, request.quant, int4_type=request.gguf_int4)
     with quality.torch_scorer(source, load_gguf_state(artifact_dir / GGUF_NAME, plans)) as scorer:
-        return quality.apply_limits(quality.measure(source, scorer, request.gate), request.gate)
+        return quality.apply_limits(quality.measure(source, scorer, request.gate, bits), request.gate)
 
 
-def _measured_in_llama_cpp(request: BuildRequest, artifact_dir: Path) -> QualityReport:
+def _measured_in_llama_cpp(request: BuildRequest, artifact_dir: Path, bits: float = 0.0) -> QualityReport:
+    """The gate's report of the artifact scored by llama.cpp (`bits` per weight is carried)."""
     source = open_source(request.source_dir)
     with quality.llama_cpp_scorer(artifact_dir / GGUF_NAME, quality.window(source)) as scorer:
-        return quality.apply_limits(quality.measure(source, scorer, request.gate), request.gate)
+        return quality.apply_limits(quality.measure(source, scorer, request.gate, bits), request.gate)
 
 
 @needs_llama_cpp
@@ -64,7 +66,8 @@ def test_llama_cpp_scores_an_f32_gguf_as_transformers_does(tiny_model_dir, tmp_p
 def test_a_gguf_build_is_gated_through_llama_cpp(tiny_model_dir, tmp_path):
     request = _request(tiny_model_dir, tmp_path / "store", small_gate())
     result = build_artifact(request)
-    assert result.quality == _measured_in_llama_cpp(request, result.artifact_dir)
+    bits = result.quality.bits_per_weight
+    assert result.quality == _measured_in_llama_cpp(request, result.artifact_dir, bits)
     # Not the dequantized fp32 copy: llama.cpp multiplies 4-bit weights by 8-bit activations.
     assert result.quality.mean_kl != _measured_in_torch(request, result.artifact_dir).mean_kl
 
@@ -77,7 +80,8 @@ def test_without_llama_cpp_a_gguf_build_is_gated_in_torch(tiny_model_dir, tmp_pa
     request = _request(tiny_model_dir, tmp_path / "store", small_gate())
     result = build_artifact(request)
     assert not result.cached  # the gate's runtime shapes the manifest, so it keys the cache
-    assert result.quality == _measured_in_torch(request, result.artifact_dir)
+    bits = result.quality.bits_per_weight
+    assert result.quality == _measured_in_torch(request, result.artifact_dir, bits)
     if with_llama_cpp is not None:
         assert result.artifact_id != with_llama_cpp.artifact_id
 
