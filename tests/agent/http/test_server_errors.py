@@ -30,15 +30,20 @@ def test_malformed_json(agent, http):
 
 
 def test_unknown_fields_are_ignored_logged_once_and_counted(agent, http, chat_body, caplog, monkeypatch):
-    # An in-process `sits-agent` run earlier in this process (journal logging) turns propagation off.
-    monkeypatch.setattr(logging.getLogger("sits.agent"), "propagate", True)
+    # Earlier tests in this process may have turned the agent's logger off for caplog: an in-process
+    # `sits-agent` run (journal logging: no propagation), a logging config that disables loggers.
+    logger = logging.getLogger("sits.agent")
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
+    caplog.set_level(logging.WARNING, logger="sits.agent")
     for _ in range(2):
         status, _, _ = http(agent.port, "POST", "/v1/chat/completions", chat_body(store=True, sits_unknown=1))
         assert status == 200
     assert agent.metrics.value("sits_ignored_request_fields_total", field="sits_unknown") == 2
     assert agent.metrics.value("sits_ignored_request_fields_total", field="store") == 2
     logged = [r.getMessage() for r in caplog.records if "sits_unknown" in r.getMessage()]
-    assert len(logged) == 1
+    assert len(logged) == 1, (logger.level, logger.handlers, logging.getLogger().handlers)
 
 
 def test_fields_that_cannot_be_honoured_are_named(agent, http, chat_body):
