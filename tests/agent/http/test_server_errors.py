@@ -30,12 +30,11 @@ def test_malformed_json(agent, http):
 
 
 def test_unknown_fields_are_ignored_logged_once_and_counted(agent, http, chat_body, caplog, monkeypatch):
-    # Earlier tests in this process may have turned the agent's logger off for caplog: an in-process
-    # `sits-agent` run (journal logging: no propagation), a logging config that disables loggers.
+    # Earlier tests in this process may have hidden the agent's warnings from caplog: an in-process
+    # `sits-deployer` run raises the root level above CRITICAL (cli/main.py), an in-process
+    # `sits-agent` run (journal logging) stops the agent's logger propagating.
     logger = logging.getLogger("sits.agent")
     monkeypatch.setattr(logger, "propagate", True)
-    monkeypatch.setattr(logger, "disabled", False)
-    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
     caplog.set_level(logging.WARNING, logger="sits.agent")
     for _ in range(2):
         status, _, _ = http(agent.port, "POST", "/v1/chat/completions", chat_body(store=True, sits_unknown=1))
