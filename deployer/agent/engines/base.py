@@ -31,7 +31,7 @@ def token_budget(prompt: Sequence[int], params: SamplingParams, context_length: 
     """
     check_params(params)
     if not prompt:
-        raise AgentError("the prompt is empty")
+        raise AgentError("the prompt is empty", param="prompt")  # a chat template never is
     room = context_length - len(prompt)
     if room < 1:
         raise AgentError(

@@ -173,3 +173,10 @@ def test_client_leaving_mid_stream_frees_its_slot(start_agent, gated, http, chat
         "a 499 counted",
     )
     assert agent.metrics.value("sits_generation_tokens_total") < 150
+
+
+def test_an_empty_completion_prompt_names_prompt(agent, http, chat_body):
+    # Found by test_fuzz_requests: the engine's refusal carried no param.
+    completion = {"model": chat_body()["model"], "prompt": "", "max_tokens": 1}
+    status, error = _error(http(agent.port, "POST", "/v1/completions", completion))
+    assert (status, error["param"]) == (400, "prompt")
