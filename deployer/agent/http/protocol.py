@@ -53,6 +53,9 @@ from deployer.agent.openai.schemas import ApiError
 __all__ = ["ConnectionLimits", "own_uids", "protocol_class"]
 
 WRITE_BUFFER_HIGH = 16 * 1024
+# A closing TLS connection waits this long for the peer's close_notify (asyncio's default, 30 s,
+# held a stopping agent that long for each silent client).
+_TLS_SHUTDOWN_S = 2.0
 _FULL = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
@@ -177,6 +180,7 @@ class _GuardedH11(H11Protocol):
                 context,
                 server_side=True,
                 ssl_handshake_timeout=self.limits.header_timeout_s,
+                ssl_shutdown_timeout=_TLS_SHUTDOWN_S,
             )
         except (OSError, asyncio.CancelledError):
             # Refused, reset or timed out (or the server stops): start_tls has closed the connection.
