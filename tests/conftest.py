@@ -84,6 +84,7 @@ _MARKER_OF_FIXTURE = {"smollm2_dir": "slow", "lab": "lab", "nginx": "nginx"}
 # of 4 s or more, or 2 s of CPU). An entry that no longer names a test stops the run.
 LONG = (
     "tests/agent/engines/llamacpp/test_decoding_controls.py::test_both_engines_write_json_that_validates_and_agree[enum]",
+    "tests/agent/engines/torch/test_batched.py::test_a_background_compile_serves_eager_steps_until_the_compiled_step_is_ready",
     "tests/agent/engines/torch/test_batched.py::test_an_engine_with_compile_off_runs_eager_layers_on_a_model_compiled_before",
     "tests/agent/engines/torch/test_batched.py::test_compiled_decode_layers_give_the_eager_logits_bit_for_bit_in_bf16",
     "tests/agent/engines/torch/test_batched.py::test_the_compiled_cpu_step_gives_the_eager_tokens_alone_and_batched",
@@ -93,6 +94,7 @@ LONG = (
     "tests/agent/engines/torch/test_speculative.py::test_with_compiled_steps_and_draft_the_tokens_stay_the_models",
     "tests/agent/http/test_admin.py::test_sits_agent_reload_finds_the_socket_from_agent_yaml",
     "tests/agent/http/test_auth_tls.py::test_openai_client_over_tls_with_and_without_a_key",
+    "tests/agent/http/test_fatal_exit.py::test_an_event_loop_that_stops_answering_exits_non_zero",
     "tests/agent/http/test_http_faults.py::test_50_clients_for_a_minute_get_answers_or_deliberate_429s",
     "tests/agent/http/test_openai_clients.py::test_forced_tool_choice_always_calls_the_tool[llama.cpp-named]",
     "tests/agent/http/test_openai_clients.py::test_json_object_is_an_object[llama.cpp]",
@@ -147,6 +149,7 @@ LONG = (
     "tests/attacks/test_canonical_and_config.py::test_fuzz_the_config_loader_never_raises",
     "tests/attacks/test_patch_memory.py::test_a_hostile_bsdiff_patch_is_refused_within_the_memory_bound[huge control values]",  # noqa: E501
     "tests/attacks/test_pull_slow_retrieval.py::test_a_trickling_server_cannot_hold_a_poll_and_the_device_keeps_serving",
+    "tests/attacks/test_pull_slow_retrieval.py::test_slow_or_endless_data_is_refused_and_nothing_changes",
     "tests/attacks/test_secrets_never_shown.py::test_no_marker_secret_reaches_any_output",
     "tests/config/test_config_yaml.py::test_alias_bomb_is_refused",
     "tests/docs/test_operating.py",
@@ -154,11 +157,15 @@ LONG = (
     "tests/fleet/test_fleet_fallback.py",  # its tests build on each other: all or none
     "tests/fleet/test_fleet_local.py",  # likewise
     "tests/fleet/test_threshold_signing.py",
+    "tests/fleet/test_wheelhouse.py",
     "tests/hooks/test_hooks.py::test_hanging_hook_is_killed_at_the_timeout_with_its_children",
     "tests/pull/test_pull_promote.py",
     "tests/pull/test_pull_provision.py::test_apply_provisions_pull_mode_then_the_device_polls_by_itself",
     "tests/pull/test_pull_s3.py",
+    "tests/quickstart/test_first_hour.py::test_an_ssh_failure_prints_no_traceback",
     "tests/quickstart/test_quickstart.py::test_readme_quickstart_word_for_word_tiny_model",
+    "tests/release/test_fuzz.py::test_apply_on_mutated_payload_with_a_valid_checksum",
+    "tests/release/test_patch_roundtrip.py::test_apply_memory_stays_below_one_tensor",
 )
 
 

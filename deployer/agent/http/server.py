@@ -198,11 +198,13 @@ class AgentServer:
             return False
         return True
 
-    def stop(self) -> None:
-        """Stop listening (in-flight requests get drain_timeout_s to finish) and retire the model."""
+    def stop(self, *, drain: bool = True) -> None:
+        """Stop listening (in-flight requests get drain_timeout_s to finish) and retire the model;
+        `drain=False` when the event loop is known to be stuck: nothing could drain, so waiting
+        would only delay the restart."""
         for server in self._servers:
             server.should_exit = True
-        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+        if drain and self._loop is not None and self._thread is not None and self._thread.is_alive():
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self.source.cancel_all)
             self._thread.join(self.settings.drain_timeout_s + 10)
@@ -325,7 +327,7 @@ def run_server(settings: AgentSettings, engine_factory: Callable[[], Engine] | N
     lifecycle_event("stopping", version=result.active_version, reason=reason)
     server.notifier.stopping("stopping")
     watchdog.stop()
-    server.stop()
+    server.stop(drain=not stuck)
     if stuck:
         # A failure, so that systemd's Restart=on-failure brings the agent back (exit 0 would not).
         raise AgentError(
