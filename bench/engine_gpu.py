@@ -70,6 +70,37 @@ SHAPES = {
         "tie_word_embeddings": True,
         "eos_token_id": 151645,
     },
+    "Qwen2.5-3B": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "eos_token_id": 151645,
+    },
+    # Llama 3's rope scaling changes no cost: left out, as the speed rows need only the shape.
+    "Llama-3-8B": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "eos_token_id": 128009,
+    },
 }
 # A smoke test of this file on a CPU: --device cpu --shapes tiny.
 SHAPES["tiny"] = SHAPES["SmolLM2-135M"] | {
@@ -111,6 +142,8 @@ def random_checkpoint(config: dict, scheme: str, device: str) -> tuple[dict[str,
 
     dtype = torch.float32 if scheme == "fp32" else torch.bfloat16
     tensors["model.embed_tokens.weight"] = randn(c["vocab_size"], dim).to(dtype)
+    if not c["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = randn(c["vocab_size"], dim).to(dtype)
     tensors["model.norm.weight"] = (1 + randn(dim)).to(dtype)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
