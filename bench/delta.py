@@ -6,6 +6,12 @@ Variants of the base checkpoint (HF layout, fp32):
   lastlayers  the last two decoder layers nudged (every tensor, noise at 1% of its std)
 Each variant and the base are then built into artifacts by deployer.build (fp32, bf16, int8,
 int4-g128), so the pairs compared are real artifacts with the builder's byte layout.
+
+With --scale SHAPE (qwen2.5-1.5b, qwen2.5-3b, llama-3-8b: bench/shapes.py's random checkpoints at
+int4-g128; --base reuses an artifact already built) it measures instead what issue #38 asks at real
+model sizes: create throughput and apply's peak RSS for a new version touching every tensor a little
+and one touching two layers, against hashing and copying the same artifact in the same run. The
+versions are written to a scratch directory (--work) and removed at the end.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -124,6 +131,91 @@ def _nudge_last_layers(model: torch.nn.Module) -> None:
     for layer in model.model.layers[-2:]:
         for p in layer.parameters():
             p += torch.randn(p.shape, generator=gen) * p.std() * 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# Real model sizes (issue #38): int4-g128 artifacts of bench/shapes.py's random checkpoints, and two
+# new versions of each: one touching every tensor a little, one touching the last two layers.
+
+SCALE_SHAPES = ("qwen2.5-1.5b", "qwen2.5-3b", "llama-3-8b")
+SCALE_VARIANTS = ("every-tensor", "two-layers")
+# A new version's float tensors move by this much of their std; of its packed int4 weights, this
+# share of the bytes has a nibble one step up or down: what requantizing a model whose weights
+# moved by about 1% of their std does to an int4-g128 artifact.
+NUDGE = 0.01
+NIBBLE_SHARE = 0.025
+
+
+def scale_artifacts(shape: str, work: Path, base: Path | None) -> dict[str, Path]:
+    """The int4-g128 artifact of `shape`'s checkpoint (`base` when given, else built into `work`
+    without the quality gate) and each SCALE_VARIANTS version of it, written into `work`. The
+    versions are made from the artifact itself, a tensor at a time: requantizing a changed 8B
+    checkpoint would take longer than the bench. Nothing is cached: the caller removes `work`
+    (two 8B versions are 10 GB)."""
+    if base is None:
+        sys.path.insert(0, str(REPO))  # `python bench/delta.py` puts bench/ on the path, not the repository
+        from bench.shapes import checkpoint
+
+        request = BuildRequest(
+            source_dir=checkpoint(shape),
+            name=shape,
+            version="1.0.0",
+            quant=SCHEMES["int4-g128"],
+            store_dir=work / "store",
+        )
+        base = build_artifact(request).artifact_dir
+    out = {"base": base}
+    for variant in SCALE_VARIANTS:
+        out[variant] = work / variant
+        _nudged_copy(base, out[variant], variant)
+    return out
+
+
+def _nudged_copy(src: Path, dest: Path, variant: str) -> None:
+    """`src` with its weights nudged per `variant` (a new version's artifact), at `dest`."""
+    from deployer.core.canonical import canonical_json, parse_json
+
+    shutil.copytree(src, dest)
+    manifest = parse_json((dest / "sits-manifest.json").read_bytes(), "manifest")
+    last = manifest["quantization"]["modules"]
+    layers = 1 + max(int(name.split(".")[2]) for name in last if name.startswith("model.layers."))
+    touched = (f"model.layers.{layers - 2}.", f"model.layers.{layers - 1}.")
+    rng = np.random.default_rng(3)
+    weights = dest / WEIGHTS
+    data = np.memmap(weights, dtype=np.uint8, mode="r+")
+    for t in read_header(weights).tensors:
+        if variant == "every-tensor" or t.name.startswith(touched):
+            _nudge(data[t.offset : t.offset + t.length], t.dtype, rng)
+    data.flush()
+    del data
+    manifest["files"][WEIGHTS] = {"sha256": sha256_file(weights), "size": weights.stat().st_size}
+    (dest / "sits-manifest.json").write_bytes(canonical_json(manifest))
+
+
+_FLOATS = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16}
+
+
+def _nudge(raw: np.ndarray, dtype: str, rng: np.random.Generator) -> None:
+    """Nudge one tensor's bytes in place, 8 Mi elements at a time (see NUDGE and NIBBLE_SHARE)."""
+    step = 8 * 2**20
+    if dtype == "U8":  # packed int4: the low nibble of some bytes one step up or down, clamped
+        for start in range(0, len(raw), step):
+            chunk = raw[start : start + step]
+            picked = np.flatnonzero(rng.random(len(chunk)) < NIBBLE_SHARE)
+            low = chunk[picked] & 0x0F
+            moved = np.clip(low.astype(np.int16) + rng.choice((-1, 1), len(picked)), 0, 15)
+            chunk[picked] = (chunk[picked] & 0xF0) | moved.astype(np.uint8)
+        return
+    values = raw.view(_FLOATS[dtype])
+    as_f32 = (lambda v: (v.astype(np.uint32) << 16).view(np.float32)) if dtype == "BF16" else np.float32
+    std = float(np.asarray(as_f32(values[:: max(1, len(values) // 65536)])).std()) or 1.0
+    for start in range(0, len(values), step):
+        chunk = np.asarray(as_f32(values[start : start + step]), dtype=np.float32)
+        chunk += rng.standard_normal(len(chunk), dtype=np.float32) * (std * NUDGE)
+        if dtype == "BF16":
+            values[start : start + step] = (chunk.view(np.uint32) >> 16).astype(np.uint16)
+        else:
+            values[start : start + step] = chunk.astype(values.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,6 +430,104 @@ def _verdict(scheme: str, variant: str, tensor_mib: float, results: list[Result]
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Real model sizes: every step in a child process (wall time, peak RSS), against the two things any
+# delta must beat or match on the same files in the same run: hashing the artifact and copying it.
+
+CREATE_OURS = (
+    "import sys; from pathlib import Path; from deployer.release.delta import create_patch; "
+    "create_patch(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))"
+)
+HASH_DIR = (
+    "import sys; from pathlib import Path; from deployer.core.hashing import sha256_file; "
+    "[sha256_file(p) for p in sorted(Path(sys.argv[1]).iterdir()) if p.is_file()]"
+)
+CREATE_TARGET_MB_S = 100.0
+APPLY_TARGET_MIB = 128.0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One measured step of the scale table."""
+
+    change: str
+    step: str
+    run: Run
+    note: str = ""
+
+
+def artifact_bytes(directory: Path) -> int:
+    """Bytes of every file of an artifact directory."""
+    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+
+
+def scale_steps(arts: dict[str, Path], work: Path) -> list[Step]:
+    """Baselines (hash, copy) on the base artifact, then create and apply for every variant."""
+    base = arts["base"]
+    # Hashed first, so every later step finds the base in the page cache as the baselines do.
+    steps = [Step("-", "sha256 (baseline)", run([sys.executable, "-c", HASH_DIR, str(base)], 600))]
+    copy = work / "copy"
+    steps.append(Step("-", "cp -r (baseline)", run(["cp", "-r", str(base), str(copy)], 600)))
+    shutil.rmtree(copy)
+    for variant in SCALE_VARIANTS:
+        patch, out = work / f"{variant}.patch", work / f"{variant}-out"
+        made = run([sys.executable, "-c", CREATE_OURS, str(base), str(arts[variant]), str(patch)], 600)
+        header, _ = read_patch_header(patch)
+        coders = "+".join(s.coder.value for s in header.streams) or "no streams"
+        size = f"patch {patch.stat().st_size / 2**20:.1f} MiB ({coders})"
+        steps.append(Step(variant, "create", made, size))
+        out.mkdir()
+        applied = run([sys.executable, "-c", APPLY_OURS, str(patch), str(base), str(out)], 600)
+        _same(out / WEIGHTS, arts[variant] / WEIGHTS)
+        steps.append(Step(variant, "apply (verifies base, patch, output)", applied))
+        shutil.rmtree(out)
+        patch.unlink()
+    return steps
+
+
+def print_scale(shape: str, arts: dict[str, Path], steps: list[Step], baseline_rss: float) -> None:
+    """The scale table (throughput in MB/s of artifact bytes), then the targets checked."""
+    size = artifact_bytes(arts["base"])
+    tensor_mib = largest_tensor_mib(arts["base"])
+    table = Table(
+        title=f"Delta at {shape} int4-g128: artifact {size / 1e9:.2f} GB, largest tensor {tensor_mib:.0f} MiB"
+    )
+    for col in ("change", "step", "s", "MB/s", "peak RSS MiB", "note"):
+        table.add_column(col, justify="left" if col in ("change", "step", "note") else "right")
+    for st in steps:
+        rate = size / 1e6 / st.run.seconds
+        table.add_row(
+            st.change, st.step, f"{st.run.seconds:.1f}", f"{rate:.0f}", f"{st.run.rss_mib:.0f}", st.note
+        )
+    console = Console(width=150)
+    console.print(table)
+    console.print(f"python + numpy + zstandard import alone: {baseline_rss:.0f} MiB peak RSS")
+    for st in steps:
+        if st.step == "create":
+            rate = size / 1e6 / st.run.seconds
+            verdict = "OK" if rate >= CREATE_TARGET_MB_S else "BELOW"
+            console.print(
+                f"{st.change}: create {rate:.0f} MB/s, target >= {CREATE_TARGET_MB_S:.0f}: {verdict}"
+            )
+        elif st.step.startswith("apply"):
+            verdict = "OK" if st.run.rss_mib <= APPLY_TARGET_MIB else "ABOVE"
+            rss = st.run.rss_mib
+            console.print(
+                f"{st.change}: apply peak RSS {rss:.0f} MiB, target <= {APPLY_TARGET_MIB:.0f}: {verdict}"
+            )
+
+
+def scale_main(args: argparse.Namespace) -> None:
+    """--scale: artifacts and versions in a scratch directory, measured, printed, removed."""
+    with tempfile.TemporaryDirectory(prefix="sits-bench-scale-", dir=args.work) as tmp:
+        work = Path(tmp)
+        print(f"{args.scale}: writing the new versions into {work} ...", file=sys.stderr, flush=True)
+        arts = scale_artifacts(args.scale, work, Path(args.base).resolve() if args.base else None)
+        steps = scale_steps(arts, work)
+        baseline = run([sys.executable, "-c", IMPORTS_ONLY], 60).rss_mib
+        print_scale(args.scale, arts, steps, baseline)
+
+
 def main() -> None:
     """Build (or reuse) the pairs, run every tool on every scenario, print one table."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -350,7 +540,19 @@ def main() -> None:
     )
     parser.add_argument("--schemes", default=None, help="comma-separated subset of " + ",".join(SCHEMES))
     parser.add_argument("--work", default=None, help="scratch directory (default: system temp)")
+    parser.add_argument(
+        "--scale",
+        choices=SCALE_SHAPES,
+        default=None,
+        help="instead: create and apply at a real model size (bench/shapes.py, int4-g128)",
+    )
+    parser.add_argument(
+        "--base", default=None, help="with --scale: an int4-g128 artifact of that shape to reuse"
+    )
     args = parser.parse_args()
+    if args.scale:
+        scale_main(args)
+        return
     args.timeout = args.timeout or (60.0 if args.quick else 120.0)
     schemes = (args.schemes or ("bf16,int8" if args.quick else ",".join(SCHEMES))).split(",")
     torch.set_num_threads(2)

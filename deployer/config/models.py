@@ -66,6 +66,10 @@ GroupSize = Literal[32, 64, 128]
 GGUFInt4 = Literal["Q4_1", "Q4_0"]  # the gguf package quantizes these two 4-bit types (not the K-quants)
 StrategyType = Literal["all-at-once", "rolling", "canary", "blue-green"]
 STRATEGY_TYPES: tuple[str, ...] = ("all-at-once", "rolling", "canary", "blue-green")
+# bandwidth.max_in_flight: at least one SFTP write request (32 KiB); at most what a resume may send
+# again without it being a download of its own.
+MIN_IN_FLIGHT = 32 * 1024
+MAX_IN_FLIGHT = 64 * 1024 * 1024
 
 
 def _matches(pattern: str, what: str, example: str) -> AfterValidator:
@@ -438,11 +442,18 @@ class Bandwidth(_Model):
     (``2Mbit``, ``1MB/s``). On a ``metered`` link a device that runs a model gets patches only:
     where no patch from its version can be made, the full artifact is sent (or downloaded) only
     with ``allow_full_on_metered``; otherwise plan marks it blocked and says why.
+
+    ``max_in_flight`` (push over SSH, ``32Ki`` to ``64Mi``) bounds the upload bytes sent but not
+    yet acknowledged by the device (``256Ki`` when unset): what a cut link loses and the resume
+    sends again. A link whose rate times round trip exceeds it runs below its rate: raise it there
+    (a 10 Mbit/s satellite link with a 600 ms round trip needs about ``1Mi``); the device's SSH
+    channel window bounds it too.
     """
 
     rate: Rate | None = None
     metered: bool = False
     allow_full_on_metered: bool = False
+    max_in_flight: Annotated[Memory, Field(ge=MIN_IN_FLIGHT, le=MAX_IN_FLIGHT)] | None = None
 
 
 class FleetBandwidth(Bandwidth):
@@ -464,6 +475,7 @@ class Link:
     rate: float | None = None
     metered: bool = False
     allow_full_on_metered: bool = False
+    max_in_flight: int | None = None  # bytes; None: the transport's default
 
 
 class Device(_Model):

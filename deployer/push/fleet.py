@@ -146,11 +146,13 @@ def _connect(config: Config, device: Device, site: DeviceSite) -> Transport:
         return LocalTransport(Path(site.root), label=device.name)
     from deployer.transport.ssh import SshOptions, SshTransport
 
+    defaults = SshOptions()
     options = SshOptions(
         user=device.user,
         key_file=config.resolve(device.identity_file) if device.identity_file else None,
-        known_hosts=config.resolve(device.known_hosts) if device.known_hosts else SshOptions().known_hosts,
+        known_hosts=config.resolve(device.known_hosts) if device.known_hosts else defaults.known_hosts,
         trust_on_first_use=device.trust_on_first_use,
+        max_in_flight=config.link_for(device).max_in_flight or defaults.max_in_flight,
     )
     return SshTransport(device.host or device.name, port=device.port, options=options, label=device.name)
 

@@ -55,3 +55,57 @@ def test_the_device_overrides_the_profile_which_overrides_the_fleet(write_config
 def test_no_bandwidth_means_no_limit(write_config: WriteConfig) -> None:
     config = load_config(write_config())
     assert {config.link_for(d) for d in config.fleet.devices} == {Link()}
+
+
+def test_max_in_flight_reaches_the_ssh_transport_of_the_device_it_is_set_for(
+    write_config: WriteConfig,
+) -> None:
+    from deployer.push.facts import DeviceSite
+    from deployer.push.fleet import _connect
+    from deployer.transport.ssh import SshOptions, SshTransport
+
+    path = write_config(
+        "bandwidth: {max_in_flight: 1Mi}\n",
+        replace=(
+            ("      transport: local\n      root: ./fleet/d1\n", "      host: 192.0.2.1\n"),
+            ("      transport: local\n      root: ./fleet/d2\n", "      host: 192.0.2.2\n"),
+            ("      agent_port: 8082\n", "      agent_port: 8082\n      bandwidth: {max_in_flight: 65536}\n"),
+        ),
+    )
+    config = load_config(path)
+    d1, d2 = config.fleet.devices
+    assert config.link_for(d1) == Link(max_in_flight=2**20)
+    sent = {}
+    for device in (d1, d2):
+        transport = _connect(config, device, DeviceSite.of(config, device))
+        assert isinstance(transport, SshTransport)
+        sent[device.name] = transport.options.max_in_flight
+    assert sent == {"d1": 2**20, "d2": 65536}
+    without = load_config(
+        write_config(
+            replace=(("      transport: local\n      root: ./fleet/d1\n", "      host: 192.0.2.1\n"),)
+        )
+    )
+    d1 = without.fleet.devices[0]
+    transport = _connect(without, d1, DeviceSite.of(without, d1))
+    assert (
+        isinstance(transport, SshTransport) and transport.options.max_in_flight == SshOptions().max_in_flight
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("16Ki", "greater than or equal to 32768"),
+        ("1Gi", "less than or equal to 67108864"),
+        ('"a lot"', "invalid memory quantity 'a lot'"),
+    ],
+)
+def test_a_bad_max_in_flight_is_a_finding_at_its_position(
+    write_config: WriteConfig, value: str, message: str
+) -> None:
+    path = write_config(f"bandwidth:\n  max_in_flight: {value}\n")
+    errors = [f for f in validate_file(path, {}) if f.is_error]
+    assert len(errors) == 1
+    assert str(errors[0]).startswith(f"{path}:{BASE_LINES + 2}:18: bandwidth.max_in_flight: ")
+    assert message in str(errors[0])
