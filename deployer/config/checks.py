@@ -90,6 +90,9 @@ def run_checks(given: CheckInput) -> list[Finding]:
             findings += fit.model_fit_findings(
                 given.model, estimate, given.resources, given.profiles, used, given.positions
             )
+            findings += fit.swap_policy_findings(
+                given.model, estimate, given.agent, given.profiles, used, given.positions
+            )
     return findings
 
 

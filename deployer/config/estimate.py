@@ -122,6 +122,21 @@ def _int4_bytes(group: int) -> float:
     return 0.5 + 3 / group  # two values a byte, plus an fp16 scale and a u8 zero per group
 
 
+def resident_weight_bytes(shape: ModelShape, quantization: Quantization, agent: AgentSettings) -> int:
+    """Bytes the engine holds for the weights: the stored ones, except that the torch engine on a
+    CPU runs the output head of an integer-quantized model on int8 weights it quantizes at load
+    (loader._int8_head), beside a tied embedding or instead of an untied float head."""
+    stored = weight_bytes(shape, quantization)
+    integer = quantization.scheme in ("int8", "int4", "layered") or any(
+        o.scheme in ("int8", "int4") for o in quantization.overrides
+    )
+    if agent.engine != "torch" or agent.device == "cuda" or not integer:
+        return stored
+    head_float = shape.vocab * shape.hidden * _FLOAT_BYTES.get(quantization.scheme, 2.0)
+    head_int8 = shape.vocab * (shape.hidden + 2)  # a byte a weight, an fp16 scale a row
+    return int(stored + head_int8 - (0 if shape.tied else head_float))
+
+
 def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -> MemoryEstimate:
     """The memory a device needs for ``model`` served with ``agent``'s settings."""
     # K and V per token: fp16 in llama.cpp; fp32 in the torch engine on a CPU, where its attention
@@ -130,7 +145,7 @@ def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * kv_value_bytes
     return MemoryEstimate(
         params=shape.params,
-        weights=weight_bytes(shape, model.quantization),
+        weights=resident_weight_bytes(shape, model.quantization, agent),
         kv_cache=kv_per_token * agent.max_tokens * agent.max_concurrent,
         engine=ENGINE_OVERHEAD[agent.engine],
         weight_copies=2 if agent.swap_policy == "side-by-side" else 1,
