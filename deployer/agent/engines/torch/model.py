@@ -20,14 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deployer.agent.engines.torch import exact_ops
+from deployer.core.architectures import SUPPORTED_ARCHITECTURES, rope_parameters
 from deployer.errors import AgentError, FormatError
-
-# architecture name in config.json -> model_type it must carry
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-}
 
 
 @dataclass(frozen=True)
@@ -97,7 +91,7 @@ def args_from_config(config: dict[str, Any], where: Path) -> ModelArgs:
         n_kv_heads=int(n_kv),
         head_dim=int(head_dim),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(_rope_params(config).get("rope_theta", 10000.0)),
+        rope_theta=float(rope_parameters(config).get("rope_theta", 10000.0)),
         max_position_embeddings=_field(config, "max_position_embeddings", int, where),
         sliding_window=int(window) if window else None,
         eos_token_ids=as_token_ids(config.get("eos_token_id")),
@@ -112,20 +106,9 @@ def _field(config: dict[str, Any], key: str, kind: type, where: Path) -> Any:
     return value
 
 
-def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5 writes `rope_parameters`; older configs have top-level rope_theta/rope_scaling
-    # (which wins: an edited old-style field must not hide behind a default rope_parameters).
-    params = dict(config.get("rope_parameters") or {})
-    for key, value in (config.get("rope_scaling") or {}).items():
-        params["rope_type" if key == "type" else key] = value
-    if "rope_theta" in config:
-        params.setdefault("rope_theta", config["rope_theta"])
-    return params
-
-
 def _rope_scaling(config: dict[str, Any], where: Path) -> Llama3Rope | None:
     """Llama 3's rope scaling, None for plain rope; AgentError for any other kind."""
-    params = _rope_params(config)
+    params = rope_parameters(config)
     kind = params.get("rope_type")
     if kind in (None, "default"):
         return None
