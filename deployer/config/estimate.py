@@ -15,9 +15,13 @@ from pathlib import Path
 
 from deployer.config.models import AgentSettings, ModelSpec, Quantization
 
-# Peak RSS beyond weights and KV cache, per engine (FACTS.md: torch paths 1.1-1.6 GB for
-# SmolLM2-135M; llama.cpp 168 MB in all). Rounded up: this guards against OOM, not for billing.
-ENGINE_OVERHEAD = {"torch": 1024 * 2**20, "llama.cpp": 128 * 2**20}
+# Peak RSS beyond weights and KV cache, per engine: python and the libraries (llama.cpp: 168 MB
+# in all, FACTS.md), and for torch the load's transients, which grow with the largest fused
+# projection (its concatenated weights, the repacked copy and the fp32 probe of its kernel):
+# 384 MiB + 8 bytes a parameter of it put bench/scale_load.py's measured peaks of Qwen2.5-1.5B and
+# 3B shapes at int4 (2.27 and 3.71 GB) 9% and 1% under the estimate.
+ENGINE_OVERHEAD = {"torch": 384 * 2**20, "llama.cpp": 128 * 2**20}
+TORCH_LOAD_BYTES_PER_PARAM = 8
 _FLOAT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
 
 
@@ -65,6 +69,11 @@ class ModelShape:
     def embedding_params(self) -> int:
         """Token embeddings plus the output head unless it is tied to them."""
         return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def largest_projection(self) -> int:
+        """Parameters of the largest matmul the torch engine runs: gate and up fused, or q, k and v."""
+        return self.hidden * max(2 * self.intermediate, (self.heads + 2 * self.kv_heads) * self.head_dim)
 
     @property
     def params(self) -> int:
@@ -147,7 +156,8 @@ def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -
         params=shape.params,
         weights=resident_weight_bytes(shape, model.quantization, agent),
         kv_cache=kv_per_token * agent.max_tokens * agent.max_concurrent,
-        engine=ENGINE_OVERHEAD[agent.engine],
+        engine=ENGINE_OVERHEAD[agent.engine]
+        + (TORCH_LOAD_BYTES_PER_PARAM * shape.largest_projection if agent.engine == "torch" else 0),
         weight_copies=2 if agent.swap_policy == "side-by-side" else 1,
         draft=draft_bytes(shape, kv_per_token * agent.max_tokens) if agent.draft != "off" else 0,
     )

@@ -50,6 +50,10 @@ def test_an_8b_int4_model_with_4_slots_of_2048_is_about_its_measured_size() -> N
     # int4-g128 projections 3.66 GB, fp16 embedding 1.05 GB, int8 head 0.53 GB; fp32 KV 2.15 GB.
     assert 5.1e9 < estimate.weights < 5.4e9
     assert estimate.kv_cache == 2 * 32 * 8 * 128 * 4 * 2048 * 4
+    # The load's transients grow with the fused gate and up projection (4096 x 28672).
+    assert estimate.engine == 384 * 2**20 + 8 * 4096 * 28672
+    llama_cpp = estimate_memory(LLAMA3_8B, model, agent.model_copy(update={"engine": "llama.cpp"}))
+    assert llama_cpp.engine == 128 * 2**20
 
 
 def test_validate_warns_where_only_an_unload_first_swap_fits(write_config) -> None:
