@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deployer.core.architectures import SUPPORTED_ARCHITECTURES
 from deployer.core.fsutil import read_json_object
 from deployer.core.hashing import sha256_file, sha256_pairs
 from deployer.core.safetensors_io import SafetensorsHeader, TensorEntry, read_header
@@ -19,7 +20,6 @@ from deployer.errors import FormatError, SourceModelError
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SOURCE_DTYPES = ("F32", "F16", "BF16")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

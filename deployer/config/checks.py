@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from deployer.config.models import (
     merge_fallbacks,
 )
 from deployer.config.sourcemap import SourceMap
+from deployer.core.architectures import unsupported_reason
 from deployer.core.calibration import DEFAULT_CALIBRATION, MIN_WORDS, text_problem
 
 GGUF_BLOCK = 32  # weights per GGUF 4-bit block (Q4_0/Q4_1)
@@ -89,6 +91,9 @@ def run_checks(given: CheckInput) -> list[Finding]:
             estimate = estimate_memory(shape, given.model, given.agent)
             findings += fit.model_fit_findings(
                 given.model, estimate, given.resources, given.profiles, used, given.positions
+            )
+            findings += fit.swap_policy_findings(
+                given.model, estimate, given.agent, given.profiles, used, given.positions
             )
     return findings
 
@@ -212,6 +217,18 @@ def _model_findings(given: CheckInput) -> tuple[ModelShape | None, list[Finding]
             )
         )
     try:
+        config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+        reason = unsupported_reason(config) if isinstance(config, dict) else None
+        if reason is not None:
+            findings.append(
+                given.positions.finding(
+                    at,
+                    f"{model.source}/config.json: {reason}",
+                    "choose a Llama, Qwen2 or Mistral checkpoint (docs/torch-engine.md says what "
+                    "the engines run)",
+                )
+            )
+            return None, findings
         return ModelShape.from_config_json(source / "config.json"), findings
     except (OSError, ValueError, KeyError, TypeError) as exc:
         detail = f"missing {exc}" if isinstance(exc, KeyError) else type(exc).__name__

@@ -15,9 +15,13 @@ from pathlib import Path
 
 from deployer.config.models import AgentSettings, ModelSpec, Quantization
 
-# Peak RSS beyond weights and KV cache, per engine (FACTS.md: torch paths 1.1-1.6 GB for
-# SmolLM2-135M; llama.cpp 168 MB in all). Rounded up: this guards against OOM, not for billing.
-ENGINE_OVERHEAD = {"torch": 1024 * 2**20, "llama.cpp": 128 * 2**20}
+# Peak RSS beyond weights and KV cache, per engine: python and the libraries (llama.cpp: 168 MB
+# in all, FACTS.md), and for torch the load's transients, which grow with the largest fused
+# projection (its concatenated weights, the repacked copy and the fp32 probe of its kernel):
+# 384 MiB + 8 bytes a parameter of it put bench/scale_load.py's measured peaks of Qwen2.5-1.5B and
+# 3B shapes at int4 (2.27 and 3.71 GB) 9% and 1% under the estimate.
+ENGINE_OVERHEAD = {"torch": 384 * 2**20, "llama.cpp": 128 * 2**20}
+TORCH_LOAD_BYTES_PER_PARAM = 8
 _FLOAT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
 
 
@@ -65,6 +69,11 @@ class ModelShape:
     def embedding_params(self) -> int:
         """Token embeddings plus the output head unless it is tied to them."""
         return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def largest_projection(self) -> int:
+        """Parameters of the largest matmul the torch engine runs: gate and up fused, or q, k and v."""
+        return self.hidden * max(2 * self.intermediate, (self.heads + 2 * self.kv_heads) * self.head_dim)
 
     @property
     def params(self) -> int:
@@ -122,6 +131,21 @@ def _int4_bytes(group: int) -> float:
     return 0.5 + 3 / group  # two values a byte, plus an fp16 scale and a u8 zero per group
 
 
+def resident_weight_bytes(shape: ModelShape, quantization: Quantization, agent: AgentSettings) -> int:
+    """Bytes the engine holds for the weights: the stored ones, except that the torch engine on a
+    CPU runs the output head of an integer-quantized model on int8 weights it quantizes at load
+    (loader._int8_head), beside a tied embedding or instead of an untied float head."""
+    stored = weight_bytes(shape, quantization)
+    integer = quantization.scheme in ("int8", "int4", "layered") or any(
+        o.scheme in ("int8", "int4") for o in quantization.overrides
+    )
+    if agent.engine != "torch" or agent.device == "cuda" or not integer:
+        return stored
+    head_float = shape.vocab * shape.hidden * _FLOAT_BYTES.get(quantization.scheme, 2.0)
+    head_int8 = shape.vocab * (shape.hidden + 2)  # a byte a weight, an fp16 scale a row
+    return int(stored + head_int8 - (0 if shape.tied else head_float))
+
+
 def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -> MemoryEstimate:
     """The memory a device needs for ``model`` served with ``agent``'s settings."""
     # K and V per token: fp16 in llama.cpp; fp32 in the torch engine on a CPU, where its attention
@@ -130,9 +154,10 @@ def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * kv_value_bytes
     return MemoryEstimate(
         params=shape.params,
-        weights=weight_bytes(shape, model.quantization),
+        weights=resident_weight_bytes(shape, model.quantization, agent),
         kv_cache=kv_per_token * agent.max_tokens * agent.max_concurrent,
-        engine=ENGINE_OVERHEAD[agent.engine],
+        engine=ENGINE_OVERHEAD[agent.engine]
+        + (TORCH_LOAD_BYTES_PER_PARAM * shape.largest_projection if agent.engine == "torch" else 0),
         weight_copies=2 if agent.swap_policy == "side-by-side" else 1,
         draft=draft_bytes(shape, kv_per_token * agent.max_tokens) if agent.draft != "off" else 0,
     )

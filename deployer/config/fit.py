@@ -6,11 +6,12 @@ and the model's estimated memory at its quantization must fit the quota and ever
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 
 from deployer.config.estimate import MemoryEstimate
 from deployer.config.findings import FieldPath, Finding
-from deployer.config.models import ModelSpec, Profile, Resources
+from deployer.config.models import AgentSettings, ModelSpec, Profile, Resources
 from deployer.config.quantity import format_bytes, format_cpu
 from deployer.config.sourcemap import SourceMap
 
@@ -114,6 +115,35 @@ def model_fit_findings(
         for path, what, limit in limits
         if need > limit
     ]
+
+
+def swap_policy_findings(
+    model: ModelSpec,
+    estimate: MemoryEstimate,
+    agent: AgentSettings,
+    profiles: Mapping[str, Profile],
+    used: Iterable[str],
+    positions: SourceMap,
+) -> list[Finding]:
+    """Where swap_policy auto will swap unload-first: the profiles in use that hold one copy of
+    the model (`estimate`) but not the two a side-by-side swap loads, with the downtime it costs."""
+    if agent.swap_policy != "auto":
+        return []
+    one = estimate.total
+    two = dataclasses.replace(estimate, weight_copies=2).total
+    tight = [n for n in sorted(set(used) & profiles.keys()) if one <= profiles[n].memory < two]
+    if not tight:
+        return []
+    names = ", ".join(f"'{n}' ({format_bytes(profiles[n].memory)})" for n in tight)
+    finding = positions.finding(
+        ("agent", "swap_policy"),
+        f"two copies of model {model.name} need about {format_bytes(two)}, more than profile {names}: "
+        "updates there swap unload-first, and the model answers 503 with Retry-After while the "
+        "new version loads (docs/concepts.md)",
+        "accept the downtime, or set swap_policy: unload-first to say so, or give those devices "
+        "more memory, or lower agent.max_concurrent or agent.max_tokens",
+    )
+    return [dataclasses.replace(finding, severity="warning")]
 
 
 def _breakdown(estimate: MemoryEstimate) -> str:

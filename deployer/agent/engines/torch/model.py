@@ -10,6 +10,7 @@ building it allocates nothing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from deployer.agent.engines.torch import exact_ops
+from deployer.core.architectures import SUPPORTED_ARCHITECTURES, rope_parameters
 from deployer.errors import AgentError, FormatError
 
-# architecture name in config.json -> model_type it must carry
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-}
+
+@dataclass(frozen=True)
+class Llama3Rope:
+    """Llama 3's rope scaling (`rope_type: llama3`): long wavelengths stretched by `factor`, short
+    ones kept, the band between interpolated (transformers' _compute_llama3_parameters)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class ModelArgs:
     max_position_embeddings: int
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    rope_scaling: Llama3Rope | None = None
 
 
 def args_from_config(config: dict[str, Any], where: Path) -> ModelArgs:
@@ -64,7 +71,7 @@ def args_from_config(config: dict[str, Any], where: Path) -> ModelArgs:
         )
     if config.get("hidden_act", "silu") != "silu":
         raise AgentError(f"{where}: hidden_act {config['hidden_act']!r} is not supported (only silu)")
-    _refuse_rope_scaling(config, where)
+    rope_scaling = _rope_scaling(config, where)
     dim = _field(config, "hidden_size", int, where)
     n_heads = _field(config, "num_attention_heads", int, where)
     n_kv = config.get("num_key_value_heads") or n_heads
@@ -84,10 +91,11 @@ def args_from_config(config: dict[str, Any], where: Path) -> ModelArgs:
         n_kv_heads=int(n_kv),
         head_dim=int(head_dim),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(_rope_params(config).get("rope_theta", 10000.0)),
+        rope_theta=float(rope_parameters(config).get("rope_theta", 10000.0)),
         max_position_embeddings=_field(config, "max_position_embeddings", int, where),
         sliding_window=int(window) if window else None,
         eos_token_ids=as_token_ids(config.get("eos_token_id")),
+        rope_scaling=rope_scaling,
     )
 
 
@@ -98,23 +106,31 @@ def _field(config: dict[str, Any], key: str, kind: type, where: Path) -> Any:
     return value
 
 
-def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5 writes `rope_parameters`; older configs have top-level rope_theta/rope_scaling.
-    params = dict(config.get("rope_parameters") or {})
-    if "rope_theta" in config:
-        params.setdefault("rope_theta", config["rope_theta"])
-    return params
-
-
-def _refuse_rope_scaling(config: dict[str, Any], where: Path) -> None:
-    scaling = config.get("rope_scaling") or {}
-    kinds = {scaling.get("rope_type") or scaling.get("type"), _rope_params(config).get("rope_type")}
-    unknown = kinds - {None, "default"}
-    if unknown:
+def _rope_scaling(config: dict[str, Any], where: Path) -> Llama3Rope | None:
+    """Llama 3's rope scaling, None for plain rope; AgentError for any other kind."""
+    params = rope_parameters(config)
+    kind = params.get("rope_type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
         raise AgentError(
-            f"{where}: rope scaling {sorted(map(str, unknown))} is not supported by the torch engine",
+            f"{where}: rope scaling [{kind!r}] is not supported by the torch engine (it runs "
+            f"default and llama3 rope)",
             hint="use a checkpoint without rope_scaling, or the llama.cpp engine",
         )
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if not isinstance(params.get(k), int | float)]
+    if missing:
+        raise FormatError(f"{where}: llama3 rope scaling needs {', '.join(missing)}")
+    scaling = Llama3Rope(
+        float(params["factor"]),
+        float(params["low_freq_factor"]),
+        float(params["high_freq_factor"]),
+        int(params["original_max_position_embeddings"]),
+    )
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise FormatError(f"{where}: llama3 rope scaling needs high_freq_factor > low_freq_factor")
+    return scaling
 
 
 def as_token_ids(value: object) -> tuple[int, ...]:
@@ -409,7 +425,7 @@ class Transformer(nn.Module):
         for layer in self._layers():
             cache = KVCache(slots, a.n_kv_heads, max_len, a.head_dim, kv_dtype).to(device)
             layer.self_attn.kv_cache = cache
-        cos, sin = rope_tables(a.head_dim, a.rope_theta, max_len + 1, device)
+        cos, sin = rope_tables(a.head_dim, a.rope_theta, max_len + 1, device, a.rope_scaling)
         half = a.head_dim // 2
         sin[:, :half] = -sin[:, :half]  # see _rope
         self.register_buffer("rope_cos", cos.to(kv_dtype), persistent=False)
@@ -547,13 +563,29 @@ class Transformer(nn.Module):
 
 
 def rope_tables(
-    head_dim: int, theta: float, max_len: int, device: torch.device
+    head_dim: int, theta: float, max_len: int, device: torch.device, scaling: Llama3Rope | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_len, head_dim] of the default (unscaled) rotary embedding, in fp32."""
+    """cos and sin [max_len, head_dim] of the rotary embedding (scaled as `scaling` says), in fp32."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
     )
+    if scaling is not None:
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
     pos = torch.arange(max_len, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: Llama3Rope) -> torch.Tensor:
+    """Llama 3's scaled inverse frequencies, computed as transformers does (same float ops)."""
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)

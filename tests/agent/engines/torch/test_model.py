@@ -13,6 +13,13 @@ from safetensors.torch import load_file, save_file
 
 from deployer.errors import AgentError, FormatError
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 PROMPT = "The capital of France is Paris. Edge devices run small language models."
 
 
@@ -36,6 +43,8 @@ def test_llama_logits_match_transformers(tiny_model_dir, tiny_engine):
         ("qwen2", {}),  # q/k/v biases
         ("mistral", {"sliding_window": 6}),  # a window shorter than the prompt
         ("llama", {"attention_bias": True, "head_dim": 32, "rope_theta": 500000.0}),
+        # Llama 3's rope scaling, its three bands (kept, interpolated, stretched) all in use
+        ("llama", {"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}),
     ],
 )
 def test_other_architectures_match_transformers(
@@ -111,7 +120,11 @@ def _copy_with_config(src: Path, dest: Path, **changes: object) -> Path:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling ['llama3']"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling ['linear']"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "llama3 rope scaling needs low_freq_factor",
+        ),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope scaling ['yarn']"),
         ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
         ({"hidden_act": "gelu"}, "hidden_act"),
@@ -119,7 +132,7 @@ def _copy_with_config(src: Path, dest: Path, **changes: object) -> Path:
 )
 def test_unsupported_configs_are_refused_clearly(changes, message, tiny_model_dir, tmp_path, engine_on):
     directory = _copy_with_config(tiny_model_dir, tmp_path / "m", **changes)
-    with pytest.raises(AgentError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises((AgentError, FormatError), match=message.replace("[", r"\[").replace("]", r"\]")):
         engine_on(directory)
 
 

@@ -1,0 +1,73 @@
+"""validate's memory estimate on real shapes, and the swap policy it foresees."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from deployer.config import load_config, validate_file
+from deployer.config.estimate import (
+    SMOLLM2_SHAPE,
+    ModelShape,
+    estimate_memory,
+    resident_weight_bytes,
+    weight_bytes,
+)
+from deployer.config.models import AgentSettings, ModelSpec, Quantization
+
+# Qwen2.5-3B's and Llama-3-8B's config.json, as far as the estimate reads them.
+QWEN25_3B = ModelShape(
+    hidden=2048, intermediate=11008, layers=36, vocab=151936, heads=16, kv_heads=2, head_dim=128, tied=True
+)
+LLAMA3_8B = dataclasses.replace(
+    QWEN25_3B, hidden=4096, intermediate=14336, layers=32, vocab=128256, heads=32, kv_heads=8, tied=False
+)
+
+
+def _resident(shape: ModelShape, scheme: str, **agent: str) -> int:
+    return resident_weight_bytes(shape, Quantization(scheme=scheme), AgentSettings(**agent))
+
+
+def test_the_torch_engine_on_a_cpu_holds_an_int8_head_of_integer_models() -> None:
+    head_int8 = QWEN25_3B.vocab * (QWEN25_3B.hidden + 2)
+    stored = weight_bytes(QWEN25_3B, Quantization(scheme="int4"))
+    # Tied: the fp16 embedding stays, and the head is an int8 copy of it.
+    assert _resident(QWEN25_3B, "int4") == stored + head_int8
+    # Untied: the stored fp16 head is replaced by its int8 copy.
+    untied_fp16_head = LLAMA3_8B.vocab * LLAMA3_8B.hidden * 2
+    assert _resident(LLAMA3_8B, "int4") == (
+        weight_bytes(LLAMA3_8B, Quantization(scheme="int4")) - untied_fp16_head + LLAMA3_8B.vocab * 4098
+    )
+    # Float models, llama.cpp and CUDA keep the stored head.
+    assert _resident(QWEN25_3B, "bf16") == weight_bytes(QWEN25_3B, Quantization(scheme="bf16"))
+    assert _resident(QWEN25_3B, "int4", engine="llama.cpp") == stored
+    assert _resident(QWEN25_3B, "int4", device="cuda") == stored
+
+
+def test_an_8b_int4_model_with_4_slots_of_2048_is_about_its_measured_size() -> None:
+    model = ModelSpec(name="m", version="1.0.0", source=".", quantization=Quantization(scheme="int4"))
+    agent = AgentSettings(max_concurrent=4, max_tokens=2048)
+    estimate = estimate_memory(LLAMA3_8B, model, agent)
+    # int4-g128 projections 3.66 GB, fp16 embedding 1.05 GB, int8 head 0.53 GB; fp32 KV 2.15 GB.
+    assert 5.1e9 < estimate.weights < 5.4e9
+    assert estimate.kv_cache == 2 * 32 * 8 * 128 * 4 * 2048 * 4
+    # The load's transients grow with the fused gate and up projection (4096 x 28672).
+    assert estimate.engine == 384 * 2**20 + 8 * 4096 * 28672
+    llama_cpp = estimate_memory(LLAMA3_8B, model, agent.model_copy(update={"engine": "llama.cpp"}))
+    assert llama_cpp.engine == 128 * 2**20
+
+
+def test_validate_warns_where_only_an_unload_first_swap_fits(write_config) -> None:
+    config = load_config(write_config(), environ={})
+    estimate = estimate_memory(SMOLLM2_SHAPE, config.model, config.agent)
+    two = dataclasses.replace(estimate, weight_copies=2).total
+    between = f"memory: {(estimate.total + two) // 2 // 2**20}Mi"
+    tight = write_config(replace=(("memory: 4Gi", between),))
+    [warning] = [f for f in validate_file(tight, {}) if f.path == "agent.swap_policy" or "swap" in f.message]
+    assert (
+        warning.severity == "warning" and "unload-first" in warning.message and "'small'" in warning.message
+    )
+    # Said explicitly, or with room for two copies, nothing to warn about.
+    chosen = write_config(replace=(("memory: 4Gi", between),), append="agent:\n  swap_policy: unload-first\n")
+    roomy = write_config(replace=(("memory: 4Gi", f"memory: {two // 2**20 + 1}Mi"),))
+    for path in (chosen, roomy):
+        assert not [f for f in validate_file(path, {}) if "swap" in f.message]
