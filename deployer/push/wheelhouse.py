@@ -60,6 +60,7 @@ from deployer.push.facts import DevicePlatform
 __all__ = [
     "CROSS_BUILDS",
     "MANIFEST",
+    "CrossBuildPending",
     "PipTarget",
     "Wheel",
     "Wheelhouse",
@@ -90,6 +91,19 @@ _ELF_MACHINE = {"x86_64": 62, "aarch64": 183, "armv7l": 40, "i686": 3, "riscv64"
 # The shared libraries check_wheel reads the ELF header of: what the device's loader maps (reading
 # every member's head instead took 1.5 s for torch's wheel, at each cached wheelhouse's load).
 _LIBRARY = re.compile(r"\.so(\.\d+)*$")
+
+
+class CrossBuildPending(SitsError):
+    """A source-only requirement must be cross-compiled for the target first (build_wheelhouse with
+    cross_build=False): a plan names it, apply compiles it."""
+
+    def __init__(self, name: str, target: PipTarget) -> None:
+        super().__init__(
+            f"no wheel of {name} for the device's platform ({target.describe()}) yet",
+            hint="apply cross-compiles it (10-20 minutes, once), or run "
+            f"`scripts/llamacpp.sh wheel {target.arch}` now",
+        )
+        self.name, self.arch = name, target.arch
 
 
 def engine_extra(engine: str) -> str:
@@ -291,7 +305,7 @@ def build_wheelhouse(
     wheelhouse is built; the others take the newest release in range. A cached wheelhouse is used
     only when every wheel still has the hash its manifest recorded and fits the target (check_wheel).
     A source-only requirement of CROSS_BUILDS is cross-compiled for the target when `cross_build`
-    (minutes, once), else the SitsError names it and how to build it.
+    (minutes, once), else CrossBuildPending names it and how to build it.
     Raises SitsError when pip cannot find or build a wheel for the target.
     """
     root = (cache or cache_root()) / "wheelhouse"
@@ -459,11 +473,7 @@ def _download(
         name = canonicalize_name(Requirement(lacking).name)
         if target.arch in CROSS_BUILDS.get(name, frozenset()) and not target.runs_controller_builds():
             if not cross_build:
-                raise SitsError(
-                    f"no wheel of {name} for the device's platform ({target.describe()}) yet",
-                    hint="apply cross-compiles it (10-20 minutes, once), or run "
-                    f"`scripts/llamacpp.sh wheel {target.arch}` now",
-                )
+                raise CrossBuildPending(name, target)
             links.append(f"--find-links={_cross_build(name, target)}")
             continue
         if not target.runs_controller_builds():
