@@ -389,7 +389,8 @@ def cannot_run(desired: DesiredState, facts: DeviceFacts) -> str | None:
 
     Checked before anything is sent: the system torch a `torch: system` device must bring, and
     agent.device cuda on a device whose torch sees no GPU (a system torch without CUDA, or the
-    wheelhouse's torch on aarch64, which is PyPI's CPU build: a Jetson's CUDA torch is JetPack's).
+    wheelhouse's torch on aarch64: PyPI's, built for server GPUs (SBSA), not a Jetson's integrated
+    one, whose CUDA torch is JetPack's).
     """
     torch = facts.torch
     if desired.system_torch and torch is not None and torch.version is None:
@@ -406,7 +407,8 @@ def cannot_run(desired: DesiredState, facts: DeviceFacts) -> str | None:
         )
     if not desired.system_torch and facts.arch == "aarch64":
         return (
-            "agent.device is cuda, but the wheelhouse's torch for aarch64 is PyPI's CPU build: "
+            "agent.device is cuda, but the wheelhouse's torch for aarch64 is PyPI's, which has no CUDA "
+            "for a Jetson's integrated GPU: "
             "give the device's profile torch: system (JetPack's CUDA torch) or set agent.device: auto"
         )
     return None

@@ -74,7 +74,7 @@ def test_a_bootstrap_names_the_wheels_it_sends_and_no_other_step_does():
             dict(torch=SystemTorch("2.3.0", cuda=False)),
             "system torch 2.3.0 sees no CUDA device",
         ),
-        (dict(cuda=True), {}, "wheelhouse's torch for aarch64 is PyPI's CPU build"),
+        (dict(cuda=True), {}, "no CUDA for a Jetson's integrated GPU"),
     ],
 )
 def test_what_the_device_cannot_run_is_refused_before_anything_is_sent(desired, facts, why):
