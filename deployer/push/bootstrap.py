@@ -72,6 +72,7 @@ __all__ = [
     "agent_settings",
     "agent_wheelhouse",
     "build_agent_wheel",
+    "bundle_wheels",
     "desired_files",
     "ensure_serving",
     "install_agent",
@@ -281,6 +282,21 @@ def agent_wheelhouse(
     Raises SitsError when a wheel cannot be had for the platform."""
     requirements = agent_requirements(wheel, site.engine, system_torch=site.system_torch)
     return build_wheelhouse(requirements, PipTarget.of(device), cross_build=cross_build)
+
+
+def bundle_wheels(
+    config: Config, device_class: str | None, device: DevicePlatform, project_dir: Path, out_dir: Path
+) -> tuple[Path, ...]:
+    """What an offline bundle carries for the agent of `device_class` on `device`'s platform: the
+    sits-agent wheel built from `project_dir` (into `out_dir`) and its wheelhouse (with the engine's
+    extra, torch left out for a `torch: system` profile; llama-cpp-python cross-compiled when the
+    platform needs it). Raises SitsError when a wheel cannot be had for the platform."""
+    profile = config.profiles.get(device_class) if device_class else None
+    wheel = build_agent_wheel(project_dir, out_dir)
+    system_torch = profile is not None and profile.torch == "system"
+    requirements = agent_requirements(wheel, config.agent.engine, system_torch=system_torch)
+    house = build_wheelhouse(requirements, PipTarget.of(device))
+    return (wheel, *(w.path for w in house.wheels))
 
 
 def _send_cpu_kernels(site: DeviceSite, transport: Transport) -> None:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from deployer.config.models import Profile
 from deployer.errors import SitsError
+from deployer.push import bootstrap
 from deployer.push.facts import DevicePlatform
 from deployer.push.wheelhouse import PipTarget, build_wheelhouse, check_wheel
+from tests.push.simulator import SimFleet
 from tests.push.wheels import fake_wheel
 
 ARM = PipTarget.of(DevicePlatform("3.11", "cpython", "aarch64", "glibc", "2.36"))
@@ -59,3 +62,24 @@ def test_a_mis_tagged_wheel_is_refused_by_the_libraries_it_holds(links, tmp_path
     check_wheel(fake_wheel(tmp_path, "pure", "1.0", "py3-none-any"), ARM)  # no library: any platform
     with pytest.raises(SitsError, match="is for linux_x86_64, not the device's aarch64"):
         check_wheel(fake_wheel(tmp_path, "other", "1.0", "py3-none-linux_x86_64"), ARM)
+
+
+def test_a_bundle_carries_the_agent_and_its_wheels_for_the_class_without_a_system_torch(
+    links, tmp_path, monkeypatch
+):
+    requires = 'Requires-Dist: fastpart\nProvides-Extra: torch\nRequires-Dist: torch; extra == "torch"\n'
+    agent = fake_wheel(tmp_path, "sits_agent", "0.1.0", "py3-none-any", requires=requires)
+    monkeypatch.setattr(bootstrap, "build_agent_wheel", lambda project, out: agent)
+    fake_wheel(links, "fastpart", "1.0", "py3-none-manylinux_2_17_aarch64", "aarch64")
+    fake_wheel(links, "fastpart", "1.0", "py3-none-linux_x86_64", "x86_64")
+    arm = DevicePlatform("3.11", "cpython", "aarch64", "glibc", "2.31")
+    config = SimFleet(tmp_path, size=1).config
+    profiles = {
+        "orin": Profile.model_validate({"memory": "8Gi", "torch": "system"}),
+        "pi5": Profile.model_validate({"memory": "8Gi"}),
+    }
+    config = config.model_copy(update={"profiles": profiles})
+    wheels = bootstrap.bundle_wheels(config, "orin", arm, tmp_path, tmp_path / "made")
+    assert [w.name for w in wheels] == [agent.name, "fastpart-1.0-py3-none-manylinux_2_17_aarch64.whl"]
+    with pytest.raises(SitsError, match="no wheel of torch for the device's platform"):  # torch sent
+        bootstrap.bundle_wheels(config, "pi5", arm, tmp_path, tmp_path / "made")

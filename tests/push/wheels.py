@@ -15,12 +15,17 @@ def _elf(arch: str) -> bytes:
     return b"\x7fELF\x02\x01\x01" + bytes(9) + (3).to_bytes(2, "little") + EM[arch].to_bytes(2, "little")
 
 
-def fake_wheel(folder: Path, name: str, version: str, tag: str, library: str | None = None) -> Path:
-    """A wheel pip can resolve, tagged `tag`, holding a shared library built for `library` (an arch)."""
+def fake_wheel(
+    folder: Path, name: str, version: str, tag: str, library: str | None = None, *, requires: str = ""
+) -> Path:
+    """A wheel pip can resolve, tagged `tag`, holding a shared library built for `library` (an arch);
+    `requires`: more METADATA lines (Requires-Dist, Provides-Extra)."""
     info = f"{name}-{version}.dist-info"
     path = folder / f"{name}-{version}-{tag}.whl"
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        zf.writestr(
+            f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}"
+        )
         wheel = f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: {tag}\n"
         zf.writestr(f"{info}/WHEEL", wheel)
         zf.writestr(f"{info}/RECORD", "")
