@@ -85,6 +85,40 @@ prepare_source() {
     touch "$SRC/.sits-patched"
 }
 
+# A cross-built wheel retagged manylinux_2_<N>_$ARCH, N the newest glibc symbol its libraries
+# need (what auditwheel reads; Debian 12's cross glibc makes 2.34), so a device with an older glibc
+# (JetPack 5's 2.31) is refused by the wheelhouse, not by the loader on the device. Prints its path.
+glibc_tag() {
+    local wheel="$1" libs minor
+    libs="$(mktemp -d)"
+    unzip -q "$wheel" '*.so*' -d "$libs"
+    minor="$(find "$libs" -type f -exec "$ARCH-linux-gnu-objdump" -T {} + | grep -o 'GLIBC_2\.[0-9]*' \
+        | cut -d. -f2 | sort -n | tail -1)"
+    rm -rf "$libs"
+    "$PYTHON" - "$wheel" "manylinux_2_${minor}_$ARCH" <<'PY'
+import base64, hashlib, os, sys, zipfile
+src, tag = sys.argv[1], sys.argv[2]
+old = src.rsplit("-", 1)[1].removesuffix(".whl")
+dest = src.removesuffix(f"{old}.whl") + f"{tag}.whl"
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest + ".tmp", "w", zipfile.ZIP_DEFLATED) as zout:
+    names = zin.namelist()
+    wheel_file = next(n for n in names if n.endswith(".dist-info/WHEEL"))
+    meta = zin.read(wheel_file).decode().replace(f"-{old}\n", f"-{tag}\n").encode()
+    digest = base64.urlsafe_b64encode(hashlib.sha256(meta).digest()).rstrip(b"=").decode()
+    for name in names:
+        data = meta if name == wheel_file else zin.read(name)
+        if name.endswith(".dist-info/RECORD"):  # the WHEEL file's hash and size as they are now
+            data = "".join(
+                f"{wheel_file},sha256={digest},{len(meta)}\n" if line.startswith(f"{wheel_file},") else line
+                for line in data.decode().splitlines(keepends=True)
+            ).encode()
+        zout.writestr(zin.getinfo(name), data)
+os.replace(dest + ".tmp", dest)
+os.remove(src)
+print(dest)
+PY
+}
+
 build_wheel() {
     local wheel
     wheel="$(ls "$DIR"/wheels/llama_cpp_python-*.whl 2>/dev/null | head -1 || true)"
@@ -101,6 +135,7 @@ build_wheel() {
         log "compiled in $((SECONDS - started)) s"
         wheel="$(ls "$DIR"/wheels/llama_cpp_python-*.whl)"
     fi
+    case "$wheel" in *-linux_"$ARCH".whl) [ -n "${TOOLCHAIN:-}" ] && wheel="$(glibc_tag "$wheel")" ;; esac
     # The one llama-cpp-python wheel for $ARCH the device wheelhouse may pick up: this build's.
     mkdir -p "$WHEELS"
     find "$WHEELS" -name 'llama_cpp_python-*.whl' ! -name "$(basename "$wheel")" -delete

@@ -345,10 +345,8 @@ def check_wheel(wheel: Path, target: PipTarget) -> None:
     """Raise SitsError unless `wheel` runs on `target`: a platform tag the device accepts (or `any`)
     and, in every shared library it holds, the device's CPU. The tag alone is a name anyone can write
     (a mis-tagged build, a renamed file); the ELF header is what the device's loader reads."""
-    _, _, _, tags = parse_wheel_filename(wheel.name)
-    accepted = {*target.platforms, "any"}
-    if not any(tag.platform in accepted for tag in tags):
-        shown = sorted({tag.platform for tag in tags})
+    if not _tag_fits(wheel, target):
+        shown = sorted({tag.platform for tag in parse_wheel_filename(wheel.name)[3]})
         raise SitsError(
             f"{wheel.name} is for {', '.join(shown)}, not the device's {target.arch} ({target.describe()})",
             hint=f"remove it from the find-links folder it came from; a wheel for {target.arch} is needed",
@@ -370,6 +368,11 @@ def check_wheel(wheel: Path, target: PipTarget) -> None:
                     hint="the wheel is mis-tagged: rebuild it for the device "
                     f"(scripts/llamacpp.sh wheel {target.arch} for llama-cpp-python) and remove this one",
                 )
+
+
+def _tag_fits(wheel: Path, target: PipTarget) -> bool:
+    """Whether the wheel's platform tag is one the target accepts (or `any`)."""
+    return any(tag.platform in {*target.platforms, "any"} for tag in parse_wheel_filename(wheel.name)[3])
 
 
 def _load(folder: Path, target: PipTarget) -> Wheelhouse | None:
@@ -474,7 +477,17 @@ def _download(
         if target.arch in CROSS_BUILDS.get(name, frozenset()) and not target.runs_controller_builds():
             if not cross_build:
                 raise CrossBuildPending(name, target)
-            links.append(f"--find-links={_cross_build(name, target)}")
+            folder = _cross_build(name, target)
+            cross = sorted(folder.glob("*.whl"))
+            if not any(_tag_fits(wheel, target) for wheel in cross):
+                # Tagged by the newest glibc its libraries need (scripts/llamacpp.sh): not this one.
+                raise SitsError(
+                    f"{name} cross-compiled here ({', '.join(w.name for w in cross)}) needs a newer "
+                    f"glibc than the device's ({target.describe()})",
+                    hint=f"build {name} on a device of that class (pip wheel --no-deps {lacking}) and "
+                    "put the wheel into a pip find-links directory (pip config set global.find-links DIR)",
+                )
+            links.append(f"--find-links={folder}")
             continue
         if not target.runs_controller_builds():
             held = _pins_named(done.stderr, constraints)

@@ -8,7 +8,7 @@ import pytest
 
 from deployer.config.models import Profile
 from deployer.errors import SitsError
-from deployer.push import bootstrap
+from deployer.push import bootstrap, wheelhouse
 from deployer.push.facts import DevicePlatform
 from deployer.push.wheelhouse import PipTarget, build_wheelhouse, check_wheel
 from tests.push.simulator import SimFleet
@@ -83,3 +83,21 @@ def test_a_bundle_carries_the_agent_and_its_wheels_for_the_class_without_a_syste
     assert [w.name for w in wheels] == [agent.name, "fastpart-1.0-py3-none-manylinux_2_17_aarch64.whl"]
     with pytest.raises(SitsError, match="no wheel of torch for the device's platform"):  # torch sent
         bootstrap.bundle_wheels(config, "pi5", arm, tmp_path, tmp_path / "made")
+
+
+def test_a_cross_build_for_a_newer_glibc_than_the_devices_is_refused_naming_both(
+    links, tmp_path, monkeypatch
+):
+    made = tmp_path / "made"
+    made.mkdir()
+    fake_wheel(made, "llama_cpp_python", "0.3.36+sits.0", "py3-none-manylinux_2_34_aarch64", "aarch64")
+    monkeypatch.setattr(wheelhouse, "_cross_build", lambda name, target: made)
+    jetpack5 = PipTarget.of(DevicePlatform("3.8", "cpython", "aarch64", "glibc", "2.31"))
+    with pytest.raises(
+        SitsError, match=r"manylinux_2_34_aarch64\.whl\) needs a newer glibc than the device's "
+    ):
+        build_wheelhouse(("llama-cpp-python",), jetpack5, cache=tmp_path, pins={})
+    house = build_wheelhouse(("llama-cpp-python",), ARM, cache=tmp_path, pins={})  # glibc 2.36: it fits
+    assert [w.path.name for w in house.wheels] == [
+        "llama_cpp_python-0.3.36+sits.0-py3-none-manylinux_2_34_aarch64.whl"
+    ]
