@@ -163,6 +163,7 @@ LONG = (
     "tests/pull/test_pull_provision.py::test_apply_provisions_pull_mode_then_the_device_polls_by_itself",
     "tests/pull/test_pull_s3.py",
     "tests/push/test_reimaged.py::test_a_reimaged_device_gets_the_wheelhouse_of_its_new_architecture",
+    "tests/push/test_reimaged.py::test_facts_report_the_architecture_the_agent_was_installed_for_and_the_system_torch",
     "tests/push/test_wheelhouse_arch.py::test_a_cross_build_for_a_newer_glibc_than_the_devices_is_refused_naming_both",
     "tests/push/test_wheelhouse_arch.py::test_our_cross_built_wheels_are_found_for_their_architecture_only",
     "tests/quickstart/test_first_hour.py::test_an_ssh_failure_prints_no_traceback",

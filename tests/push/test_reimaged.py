@@ -10,9 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deployer.push.facts import _PLATFORM, DevicePlatform
-from deployer.push.plan import StepKind
+import pytest
+
+from deployer.push.facts import _PLATFORM, WHEELS_RECORD, DevicePlatform, DeviceSite, gather_facts
+from deployer.push.plan import StepKind, reimaged
 from deployer.push.wheelhouse import PipTarget, build_wheelhouse
+from deployer.transport import LocalTransport
+from tests.ports import reserved_port
 from tests.push.simulator import SimFleet
 from tests.push.wheels import fake_wheel
 
@@ -54,3 +58,25 @@ def test_a_reimaged_device_gets_the_wheelhouse_of_its_new_architecture(tmp_path,
     assert StepKind.BOOTSTRAP not in {s.kind for s in dev1.steps} and dev1.arch == "x86_64"
     assert dev2.steps[0].kind is StepKind.BOOTSTRAP and dev2.arch == "aarch64"
     assert "re-imaged from x86_64 to aarch64" in dev2.steps[0].reason and dev2.wheels == sent
+
+
+def test_facts_report_the_architecture_the_agent_was_installed_for_and_the_system_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    record = tmp_path / WHEELS_RECORD.lstrip("/")
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"python": sys.executable, "machine": "armv7l", "wheels": {}}))
+    site = DeviceSite(
+        name="board",
+        host="localhost",
+        root=str(tmp_path),
+        local=True,
+        port=reserved_port(),  # nothing listens: not ready, and no wait
+        bootstrap_python=sys.executable,
+        python=sys.executable,
+        system_torch=True,  # the probe reports the torch this python brings
+    )
+    facts = gather_facts(site, LocalTransport(tmp_path))
+    assert facts.reachable and facts.arch == platform.machine() and facts.wheels_arch == "armv7l"
+    assert reimaged(facts)  # installed for another CPU than it has: bootstrapped anew
+    assert facts.torch is not None and facts.torch.version == torch.__version__
+    assert facts.torch.cuda == torch.cuda.is_available()
