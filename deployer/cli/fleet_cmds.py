@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 PROGRESS_MIN_BYTES = 1 << 20  # smaller uploads (units, settings, manifests) show no progress
 LINE_EVERY_S = 10.0  # without a terminal: a line per device this often during a long upload
+# The checkout the agent's wheel is built from (agent/), for bootstrap and the plan's wheel list.
+_PROJECT = Path(__file__).resolve().parents[2]
 
 
 def _fleet_options(func: F) -> F:
@@ -90,7 +92,7 @@ def _plan_table(plan: Plan, cost: RolloutCost) -> Table:
 
     artifact = plan.target_sha256[:12] or "not built"
     table = Table(title=f"plan: {plan.target_version} ({artifact})", title_justify="left")
-    for column in ("device", "status", "from", "to", "steps", "bytes", "time", "reason"):
+    for column in ("device", "arch", "status", "from", "to", "steps", "bytes", "time", "reason"):
         table.add_column(column)
     for d in plan.devices:
         steps = ", ".join(s.kind.value for s in d.steps) or "-"
@@ -101,6 +103,7 @@ def _plan_table(plan: Plan, cost: RolloutCost) -> Table:
         )
         table.add_row(
             d.device,
+            d.arch or "-",
             d.status.value,
             d.from_version or "-",
             d.to_version,
@@ -266,9 +269,8 @@ def _execute(fleet: FleetSession, fp: FleetPlan, action: str, output: str) -> No
     show = output == "text" and verbosity() >= 0 and console().is_terminal
     board = _Board() if show else None
     on_phase = _on_phase(board)
-    project = Path(__file__).resolve().parents[2]
     run = functools.partial(
-        apply_plan, fleet, fp, action=action, on_phase=on_phase, meter=_meter(board), project_dir=project
+        apply_plan, fleet, fp, action=action, on_phase=on_phase, meter=_meter(board), project_dir=_PROJECT
     )
     try:
         if board:
@@ -327,7 +329,7 @@ def plan(
 
     fleet = _fleet(config_path, selector, names, parallel)
     try:
-        fp = plan_fleet(fleet, built_target(fleet.config))
+        fp = plan_fleet(fleet, built_target(fleet.config), project_dir=_PROJECT)
     finally:
         fleet.close()
     _print_plan(fleet, fp.plan, output)
@@ -400,7 +402,7 @@ def apply(
         # A real apply builds first when the artifact is not cached (with build's progress lines).
         progress = build_progress(output)
         target = built_target(fleet.config) if dry_run else build_target(fleet.config, progress=progress)
-        fp = plan_fleet(fleet, target)
+        fp = plan_fleet(fleet, target, project_dir=_PROJECT, cross_build=not dry_run)
     except SitsError:
         fleet.close()
         raise
@@ -480,7 +482,17 @@ def status(
         emit_json(rows)
         return
     table = Table()
-    columns = ("device", "version", "health", "edge_status", "fallbacks_5m", "agent", "last_result", "error")
+    columns = (
+        "device",
+        "arch",
+        "version",
+        "health",
+        "edge_status",
+        "fallbacks_5m",
+        "agent",
+        "last_result",
+        "error",
+    )
     for column in columns:
         table.add_column(column.replace("_", " "))
     for row in rows:

@@ -3,6 +3,7 @@ and ring advancement once a ring's devices have converged healthy."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -157,9 +158,11 @@ def promote(
 @click.command(
     epilog=examples(
         "sits-deployer bundle -f deploy.yaml -o /media/usb/sits-bundle.tar",
-        "sits-deployer bundle -f deploy.yaml -o bundle/ --profile jetson-orin-nx",
+        "sits-deployer bundle -f deploy.yaml -o bundle/ --profile jetson-orin-nx --wheels-arch aarch64",
     )
-    + "\n\nOn the device: sits-agent install --from /media/usb/sits-bundle.tar",
+    + "\n\nOn the device: sits-agent install --from /media/usb/sits-bundle.tar"
+    + "\n\nIts agent from the bundle's wheels: pip install --no-index --require-hashes -r "
+    + "bundle/wheels/requirements.txt",
 )
 @config_option
 @click.option(
@@ -181,26 +184,65 @@ def promote(
     show_default=True,
     help="Patches from this many of the versions released before (newest first).",
 )
+@click.option(
+    "--wheels-arch",
+    type=click.Choice(["x86_64", "aarch64"]),
+    help="Also carry the agent's wheels for devices of this CPU architecture (llama-cpp-python "
+    "cross-compiled for aarch64, once).",
+)
+@click.option(
+    "--wheels-python",
+    default=f"{sys.version_info[0]}.{sys.version_info[1]}",
+    show_default=True,
+    metavar="X.Y",
+    help="The devices' Python, for --wheels-arch.",
+)
+@click.option(
+    "--wheels-glibc",
+    default="2.31",
+    show_default=True,
+    metavar="X.Y",
+    help="The oldest glibc of the devices, for --wheels-arch (Ubuntu 20.04 and JetPack 5: 2.31).",
+)
 @output_option
-def bundle(config_path: Path, out: Path, profile: str | None, bases: int, output: str) -> None:
+def bundle(
+    config_path: Path,
+    out: Path,
+    profile: str | None,
+    bases: int,
+    wheels_arch: str | None,
+    wheels_python: str,
+    wheels_glibc: str,
+    output: str,
+) -> None:
     """Write an offline bundle for a site with no network: build (or reuse) the model, sign its
     release, and put it with its artifact and patches from recent versions into DIR or FILE.
 
     A device installs it with `sits-agent install --from`, verified with the same keys, counters,
-    expiry and anti-rollback checks as an update over the network.
+    expiry and anti-rollback checks as an update over the network. With --wheels-arch it carries
+    the agent's wheels too, for a device that has no agent yet or an older one.
     """
     from deployer.config import load_config
+    from deployer.push.bootstrap import bundle_wheels
+    from deployer.push.facts import DevicePlatform
     from deployer.release.bundle import bundle_class, write_bundle
-    from deployer.release.desired import build_target
+    from deployer.release.desired import SITS_DIRNAME, build_target
 
     config = load_config(config_path)
     device_class = bundle_class(config, profile)
-    result = write_bundle(config, build_target(config), out, device_class=device_class, bases=bases)
+    wheels: tuple[Path, ...] = ()
+    if wheels_arch is not None:
+        device = DevicePlatform(wheels_python, "cpython", wheels_arch, "glibc", wheels_glibc)
+        made = config.base_dir / SITS_DIRNAME / "wheels"
+        wheels = bundle_wheels(config, device_class, device, Path(__file__).resolve().parents[2], made)
+    target = build_target(config)
+    result = write_bundle(config, target, out, device_class=device_class, bases=bases, wheels=wheels)
     if output == "json":
         emit_json({**asdict(result), "path": str(result.path)})
         return
     patches = f", patches from {', '.join(result.patch_bases)}" if result.patch_bases else ""
+    carried = f", the agent's {len(result.wheels)} wheels for {wheels_arch}" if result.wheels else ""
     info(
-        f"bundle of {result.version} (counter {result.counter}{patches}) for device class "
+        f"bundle of {result.version} (counter {result.counter}{patches}{carried}) for device class "
         f"{result.device_class or '(no profile)'}: {result.path}, {result.bytes:,} bytes"
     )

@@ -7,6 +7,9 @@ A directory, or the same tree in a tar file (optionally gzip-compressed)::
     full/release.json, full/artifact/<f>    the signed release of the whole artifact
     patch/<base sha256>/release.json        a signed release as a patch from that base,
     patch/<base sha256>/delta.patch         and the patch
+    wheels/<f>.whl, wheels/requirements.txt optional: the agent's wheels for one platform, and the
+                                            pins with their sha256 (`pip install --no-index
+                                            --require-hashes -r`) that install the agent from them
 
 The index names the device class the bundle is for and every other file's sha256 and size; the
 releases inside are verified on the device exactly as pushed or pulled ones (signatures, expiry,
@@ -23,11 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deployer.core.release import SHA256, TIMESTAMP, FileHash
 from deployer.errors import FormatError
 
-__all__ = ["BUNDLE_INDEX", "FULL_DIR", "PATCH_DIR", "BundleIndex", "parse_bundle_index"]
+__all__ = ["BUNDLE_INDEX", "FULL_DIR", "PATCH_DIR", "WHEELS_DIR", "BundleIndex", "parse_bundle_index"]
 
 BUNDLE_INDEX = "sits-bundle.json"
 FULL_DIR = "full"
 PATCH_DIR = "patch"
+WHEELS_DIR = "wheels"
 MAX_FILES = 4096
 
 

@@ -52,6 +52,7 @@ from deployer.push.facts import (
     UNIT_DIR,
     VENV_PYTHON,
     WHEELS_RECORD,
+    DevicePlatform,
     DeviceSite,
     agent_request,
     gather_platform,
@@ -59,7 +60,7 @@ from deployer.push.facts import (
 from deployer.push.fallback_files import fallback_files, fallback_settings
 from deployer.push.pull_files import pull_files
 from deployer.push.units import POLL_TIMER
-from deployer.push.wheelhouse import PipTarget, agent_requirements, build_wheelhouse
+from deployer.push.wheelhouse import PipTarget, Wheelhouse, agent_requirements, build_wheelhouse
 from deployer.release.desired import ReleaseFiles
 from deployer.transport import Transport
 
@@ -69,7 +70,9 @@ __all__ = [
     "LOG_FILE",
     "REMOVED_WHEN_UNSET",
     "agent_settings",
+    "agent_wheelhouse",
     "build_agent_wheel",
+    "bundle_wheels",
     "desired_files",
     "ensure_serving",
     "install_agent",
@@ -225,8 +228,7 @@ def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
     if site.system_torch:
         _check_system_torch(site, transport)
     device = gather_platform(site, transport)
-    requirements = agent_requirements(wheel, site.engine, system_torch=site.system_torch)
-    house = build_wheelhouse(requirements, PipTarget.of(device))
+    house = agent_wheelhouse(site, device, wheel)
     incoming = f"{INCOMING}/wheels"
     for w in house.wheels:
         if w.sha256 not in device.wheels:
@@ -259,11 +261,42 @@ def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
     )
     if site.engine == "torch" and not site.system_torch and PipTarget.of(device).runs_controller_builds():
         _send_cpu_kernels(site, transport)
-    record = {"python": site.python, "wheels": {w.path.name: w.sha256 for w in house.wheels}}
+    # The machine: a device re-imaged to another architecture never counts these wheels as its own.
+    record = {
+        "python": site.python,
+        "machine": device.machine,
+        "wheels": {w.path.name: w.sha256 for w in house.wheels},
+    }
     write_files(
         site, transport, {WHEELS_RECORD: (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()}
     )
     transport.run(["rm", "-rf", wheels_dir], timeout=60)  # installed: the wheels would only take space
+
+
+def agent_wheelhouse(
+    site: DeviceSite, device: DevicePlatform, wheel: Path, *, cross_build: bool = True
+) -> Wheelhouse:
+    """The wheelhouse of the agent's `wheel` for the device's platform: its requirements and its
+    engine's extra, torch left out when the device brings its own. `cross_build`: a source-only
+    wheel the target lacks is cross-compiled (apply), else named in the error (plan).
+    Raises SitsError when a wheel cannot be had for the platform."""
+    requirements = agent_requirements(wheel, site.engine, system_torch=site.system_torch)
+    return build_wheelhouse(requirements, PipTarget.of(device), cross_build=cross_build)
+
+
+def bundle_wheels(
+    config: Config, device_class: str | None, device: DevicePlatform, project_dir: Path, out_dir: Path
+) -> tuple[Path, ...]:
+    """What an offline bundle carries for the agent of `device_class` on `device`'s platform: the
+    sits-agent wheel built from `project_dir` (into `out_dir`) and its wheelhouse (with the engine's
+    extra, torch left out for a `torch: system` profile; llama-cpp-python cross-compiled when the
+    platform needs it). Raises SitsError when a wheel cannot be had for the platform."""
+    profile = config.profiles.get(device_class) if device_class else None
+    wheel = build_agent_wheel(project_dir, out_dir)
+    system_torch = profile is not None and profile.torch == "system"
+    requirements = agent_requirements(wheel, config.agent.engine, system_torch=system_torch)
+    house = build_wheelhouse(requirements, PipTarget.of(device))
+    return (wheel, *(w.path for w in house.wheels))
 
 
 def _send_cpu_kernels(site: DeviceSite, transport: Transport) -> None:
@@ -346,8 +379,9 @@ def _ensure_venv(site: DeviceSite, transport: Transport) -> None:
     want = "true" if site.system_torch else "false"
     same = f"grep -qx 'include-system-site-packages = {want}' {shlex.quote(f'{venv}/pyvenv.cfg')}"
     flags = "--clear --system-site-packages" if site.system_torch else "--clear"
+    # Runs, not only exists: a venv left from another architecture (a re-imaged device) cannot.
     transport.run(
-        f"if ! test -x {shlex.quote(site.python)} || ! {same}; "
+        f"if ! {shlex.quote(site.python)} -c '' >/dev/null 2>&1 || ! {same}; "
         f"then {shlex.quote(site.bootstrap_python)} -m venv {flags} {shlex.quote(venv)}; fi",
         timeout=300,
     ).check(f"{site.name}: creating the agent's venv at {venv}")

@@ -26,7 +26,7 @@ from deployer import __version__
 from deployer.config.models import Config, Device
 from deployer.errors import RefusedError, TransportError
 from deployer.push.api_keys import API_KEYS_FILE, controller_key
-from deployer.push.plan import DeviceFacts
+from deployer.push.plan import DeviceFacts, DevicePlatform, SystemTorch
 from deployer.transport import Transport, run_bounded
 
 __all__ = [
@@ -142,10 +142,40 @@ class HttpReply:
         return data if isinstance(data, dict) else {}
 
 
+# Defines platform_of(record, python): the interpreter's Python, CPU architecture and libc (what
+# wheels must fit), and the sha256 of the wheels in bootstrap's `record` whose release is still
+# installed in it. A record made for another interpreter, or on another architecture (a re-imaged
+# device), counts no wheel.
+_PLATFORM_OF = r"""
+import glob, json, platform, re, subprocess, sys
+def canon(n): return re.sub(r"[-_.]+", "-", n).lower()
+def platform_of(record_path, python):
+    libc, version = platform.libc_ver()
+    if not libc:
+        for loader in glob.glob("/lib/ld-musl-*.so.1"):
+            out = subprocess.run([loader], capture_output=True, text=True).stderr
+            m = re.search(r"Version ([0-9.]+)", out)
+            libc, version = "musl", (m.group(1) if m else "")
+    wheels, here = [], platform.machine()
+    try:
+        import importlib.metadata as md
+        with open(record_path) as f: record = json.load(f)
+        if record.get("python") == python and record.get("machine", here) == here:
+            have = {canon(d.metadata["Name"] or ""): d.version for d in md.distributions()}
+            for name, digest in record["wheels"].items():
+                n, v = name.split("-")[:2]
+                if have.get(canon(n)) == v: wheels.append(digest)
+    except Exception: pass
+    return {"python": "%d.%d" % sys.version_info[:2], "implementation": sys.implementation.name,
+            "machine": here, "libc": libc, "libc_version": version, "wheels": wheels}
+"""
+
 # Runs on the device with any Python >= 3.8; prints one JSON document. argv: agent root port files...
 # `agent` is 1 when this is the agent's own interpreter: only then does its `deployer` count as the
 # agent (the bootstrap interpreter may be the controller's own venv, on a local device).
-_PROBE = r"""
+_PROBE = (
+    _PLATFORM_OF
+    + r"""
 import hashlib, json, os, shutil, sys, urllib.request
 agent, root, port, files = sys.argv[1] == "1", sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 def under(p): return p if root == "/" else root + p
@@ -159,6 +189,17 @@ try:
     if agent and importlib.util.find_spec("deployer.agent.cli"): out["agent_version"] = deployer.__version__
 except Exception: pass
 out["python"] = sys.executable
+# The agent's python as bootstrap recorded it (this one, when it is the agent's).
+out["platform"] = platform_of(under(WHEELS_RECORD), sys.executable if agent else None)
+try:
+    with open(under(WHEELS_RECORD)) as f: out["wheels_arch"] = json.load(f).get("machine")
+except (OSError, ValueError, AttributeError): out["wheels_arch"] = None
+if os.environ.get("SITS_PROBE_TORCH"):  # a torch: system device: the torch it brings
+    try:
+        import torch
+        out["torch"] = {"version": torch.__version__, "cuda": bool(torch.cuda.is_available())}
+    except Exception as e:
+        out["torch"] = {"version": None, "error": "%s: %s" % (type(e).__name__, e)}
 try:
     with open(under("/var/lib/sits/state.json")) as f: out["state"] = json.load(f)
 except (OSError, ValueError): pass
@@ -184,7 +225,8 @@ try:
         body = json.loads(r.read()); out["ready"] = r.status == 200; out["served"] = body.get("version")
 except Exception: pass
 print(json.dumps(out))
-"""
+""".replace("WHEELS_RECORD", repr(WHEELS_RECORD))
+)
 
 # argv: port method path body timeout (body "" for none); prints {"status", "body", "elapsed_ms"}.
 _HTTP = r"""
@@ -211,7 +253,8 @@ def _interpreter(site: DeviceSite, env: str = "") -> str:
     """Shell words choosing the agent's interpreter when it exists (and setting A=1), else the
     bootstrap one (A=0); run with the `env` assignments, if any."""
     agent, fallback = shlex.quote(site.python), shlex.quote(site.bootstrap_python)
-    return f'P={agent}; A=1; command -v "$P" >/dev/null 2>&1 || {{ P={fallback}; A=0; }}; {env}"$P"'
+    # Runs, not only exists: a venv left from another architecture (a re-imaged device) cannot.
+    return f'P={agent}; A=1; "$P" -c "" >/dev/null 2>&1 || {{ P={fallback}; A=0; }}; {env}"$P"'
 
 
 def _offline(site: DeviceSite, reason: str, *, refused: bool = False) -> DeviceFacts:
@@ -227,7 +270,8 @@ def gather_facts(site: DeviceSite, transport: Transport) -> DeviceFacts:
         return _offline(site, f"{site.name}: device root {site.root} does not exist (mkdir -p {site.root})")
     try:
         rest = shlex.join([site.root, str(site.port), *site.managed_files])
-        command = f'{_interpreter(site)} -c {shlex.quote(_PROBE)} "$A" {rest}'
+        probe_torch = "SITS_PROBE_TORCH=1 " if site.system_torch else ""
+        command = f'{_interpreter(site, probe_torch)} -c {shlex.quote(_PROBE)} "$A" {rest}'
         result = transport.run(command, timeout=PROBE_TIMEOUT_S)
     except RefusedError as exc:
         return _offline(site, exc.message, refused=True)
@@ -260,7 +304,28 @@ def gather_facts(site: DeviceSite, transport: Transport) -> DeviceFacts:
         ready=bool(data.get("ready")) and data.get("served") == state.get("installed_version"),
         systemd=bool(data.get("systemd")),
         stored_artifacts=_stored_artifacts(state, data.get("on_disk") or []),
+        platform=_platform(data.get("platform")),
+        wheels_arch=data.get("wheels_arch"),
+        torch=_system_torch(data.get("torch")),
     )
+
+
+def _platform(data: object) -> DevicePlatform | None:
+    """The probe's platform, or None from an older probe's output."""
+    if not isinstance(data, dict):
+        return None
+    python, implementation, machine, libc, version = (
+        str(data.get(k) or "") for k in ("python", "implementation", "machine", "libc", "libc_version")
+    )
+    wheels = frozenset(str(w) for w in data.get("wheels") or ())
+    return DevicePlatform(python, implementation, machine, libc, version, wheels)
+
+
+def _system_torch(data: object) -> SystemTorch | None:
+    if not isinstance(data, dict):
+        return None
+    version = data.get("version")
+    return SystemTorch(str(version) if version else None, bool(data.get("cuda")), data.get("error"))
 
 
 def _first_line(exc: TransportError) -> str:
@@ -314,40 +379,8 @@ def agent_request(
     return HttpReply(int(data["status"]), data["body"], float(data["elapsed_ms"]))
 
 
-@dataclass(frozen=True)
-class DevicePlatform:
-    """What a device's wheels must be built for, and the wheels bootstrap already installed there."""
-
-    python: str  # "3.11"
-    implementation: str  # sys.implementation.name: "cpython"
-    machine: str  # platform.machine(): "x86_64", "aarch64"
-    libc: str  # "glibc" or "musl" ("" when unknown)
-    libc_version: str  # "2.36"
-    wheels: frozenset[str] = frozenset()  # sha256 of recorded wheels whose release is still installed
-
-
 # Runs with the agent's interpreter; prints one JSON document. argv: the wheels record, the python.
-_PLATFORM = r"""
-import glob, json, platform, re, subprocess, sys
-libc, version = platform.libc_ver()
-if not libc:
-    for loader in glob.glob("/lib/ld-musl-*.so.1"):
-        m = re.search(r"Version ([0-9.]+)", subprocess.run([loader], capture_output=True, text=True).stderr)
-        libc, version = "musl", (m.group(1) if m else "")
-def canon(n): return re.sub(r"[-_.]+", "-", n).lower()
-wheels = []
-try:
-    import importlib.metadata as md
-    have = {canon(d.metadata["Name"] or ""): d.version for d in md.distributions()}
-    with open(sys.argv[1]) as f: record = json.load(f)
-    if record.get("python") == sys.argv[2]:
-        for name, digest in record["wheels"].items():
-            n, v = name.split("-")[:2]
-            if have.get(canon(n)) == v: wheels.append(digest)
-except Exception: pass
-print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "implementation": sys.implementation.name,
-                  "machine": platform.machine(), "libc": libc, "libc_version": version, "wheels": wheels}))
-"""
+_PLATFORM = _PLATFORM_OF + "print(json.dumps(platform_of(sys.argv[1], sys.argv[2])))\n"
 
 
 def gather_platform(site: DeviceSite, transport: Transport) -> DevicePlatform:

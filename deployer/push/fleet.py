@@ -25,7 +25,13 @@ from deployer.core.hashing import sha256_bytes
 from deployer.core.ratelimit import Throttle, TokenBucket
 from deployer.core.redact import redacted_json
 from deployer.errors import ConfigError, KeyFileError, SignatureError, SitsError
-from deployer.push.bootstrap import AGENT_PROJECT, REMOVED_WHEN_UNSET, build_agent_wheel, desired_files
+from deployer.push.bootstrap import (
+    AGENT_PROJECT,
+    REMOVED_WHEN_UNSET,
+    agent_wheelhouse,
+    build_agent_wheel,
+    desired_files,
+)
 from deployer.push.executor import Executor, MeterFactory, OnPhase, ResultStatus, RolloutReport
 from deployer.push.facts import DeviceSite, controller_agent_version, gather_fleet
 from deployer.push.health import scrape_metrics
@@ -38,9 +44,11 @@ from deployer.push.plan import (
     Plan,
     StepKind,
     make_plan,
+    reimaged,
 )
 from deployer.push.rollout import OfflineDecision, decide_offline
 from deployer.push.state import FleetLock, append_audit, read_audit
+from deployer.push.wheelhouse import CrossBuildPending
 from deployer.release.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store
 from deployer.transport import LocalTransport, Transport, run_bounded
 
@@ -176,10 +184,23 @@ class FleetPlan:
         return self.target
 
 
-def plan_fleet(fleet: FleetSession, target: Desired | None, *, rollback: bool = False) -> FleetPlan:
+def plan_fleet(
+    fleet: FleetSession,
+    target: Desired | None,
+    *,
+    rollback: bool = False,
+    project_dir: Path | None = None,
+    cross_build: bool = False,
+) -> FleetPlan:
     """Facts of the fleet minus the target: the per-device plan (patches are made as needed).
-    `target` None: deploy.yaml's artifact is not built; its devices get a pending build step."""
+    `target` None: deploy.yaml's artifact is not built; its devices get a pending build step.
+    `project_dir` (the checkout the agent's wheel is built from): the agent's wheels each device
+    due a bootstrap lacks are gathered for its platform and named in the plan, so a platform no
+    wheel can be had for fails here, before anything is sent; `cross_build` (apply) cross-compiles
+    a source-only one, where a plan only names it (deployer.push.wheelhouse).
+    Raises SitsError for such a platform."""
     facts = fleet.facts()
+    wheels = _missing_wheels(fleet, facts, project_dir, cross_build=cross_build) if project_dir else {}
     releaser = Releaser(fleet.config)
     patches: dict[str, Path] = {}
     for f in facts:
@@ -188,7 +209,38 @@ def plan_fleet(fleet: FleetSession, target: Desired | None, *, rollback: bool = 
         base = artifact_in_store(fleet.config, f.model_sha256) if f.model_sha256 else None
         if base is not None and base.artifact_sha256 != target.artifact_sha256:
             patches[base.artifact_sha256] = releaser.patch(base, target)
-    return make_fleet_plan(fleet.config, fleet.sites, facts, target, patches, rollback=rollback)
+    return make_fleet_plan(
+        fleet.config, fleet.sites, facts, target, patches, rollback=rollback, wheels=wheels
+    )
+
+
+def _missing_wheels(
+    fleet: FleetSession, facts: Sequence[DeviceFacts], project_dir: Path, *, cross_build: bool
+) -> dict[str, tuple[tuple[str, ...], int]]:
+    """device -> (file names, total bytes) of the agent's wheels it lacks, for each device that a
+    bootstrap is due on (the agent's own wheel included: it is always sent)."""
+    agent = controller_agent_version()
+    due = [
+        f
+        for f in facts
+        if f.reachable and f.platform is not None and (f.agent_version != agent or reimaged(f))
+    ]
+    if not due or not (project_dir / AGENT_PROJECT / "pyproject.toml").is_file():
+        return {}
+    wheel = build_agent_wheel(project_dir, fleet.sits_dir / "wheels")
+    out: dict[str, tuple[tuple[str, ...], int]] = {}
+    for f in due:
+        assert f.platform is not None  # filtered above
+        try:
+            house = agent_wheelhouse(fleet.sites[f.name], f.platform, wheel, cross_build=cross_build)
+        except CrossBuildPending as exc:  # a plan: apply compiles it, and then knows the rest
+            out[f.name] = ((f"{exc.name} (cross-compiled for {exc.arch} by apply, once)", wheel.name), 0)
+            continue
+        except SitsError as exc:
+            raise SitsError(f"{f.name}: {exc.message}", hint=exc.hint) from exc
+        lacking = [w.path for w in house.wheels if w.sha256 not in f.platform.wheels] + [wheel]
+        out[f.name] = (tuple(p.name for p in lacking), sum(p.stat().st_size for p in lacking))
+    return out
 
 
 def make_fleet_plan(
@@ -199,10 +251,13 @@ def make_fleet_plan(
     patches: Mapping[str, Path],
     *,
     rollback: bool = False,
+    wheels: Mapping[str, tuple[tuple[str, ...], int]] | None = None,
 ) -> FleetPlan:
     """The plan for these facts: per device the files deploy.yaml renders for it and the patch
     from its base (`patches`: base artifact sha256 -> patch file), then plan.make_plan.
-    `target` None: deploy.yaml's artifact, not built yet."""
+    `target` None: deploy.yaml's artifact, not built yet. `wheels`: device -> the agent's wheels
+    it lacks (names, total bytes), for its bootstrap step."""
+    wheels = wheels or {}
     files = {f.name: desired_files(config, sites[f.name], systemd=f.systemd) for f in facts}
     sizes = {base: path.stat().st_size for base, path in patches.items()}
     hooks = _configured_hooks(config, rollback=rollback)
@@ -223,6 +278,10 @@ def make_fleet_plan(
             rate=min((r for r in (links[f.name].rate, push_total) if r), default=None),
             metered=links[f.name].metered,
             allow_full_on_metered=links[f.name].allow_full_on_metered,
+            system_torch=sites[f.name].system_torch,
+            cuda=config.agent.device == "cuda" and config.agent.engine == "torch",
+            wheels=wheels.get(f.name, ((), 0))[0],
+            wheel_bytes=wheels.get(f.name, ((), 0))[1],
         )
         for f in facts
     }
@@ -506,6 +565,7 @@ def fleet_status(fleet: FleetSession) -> list[dict[str, Any]]:
         rows.append(
             {
                 "device": f.name,
+                "arch": f.arch,
                 "version": f.model_version,
                 "health": health,
                 "agent": f.agent_version,

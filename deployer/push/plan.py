@@ -24,6 +24,7 @@ from typing import Protocol
 
 # The agent needs room for the staged payload plus the new version beside the old one.
 DISK_HEADROOM = 2.0
+MAX_WHEELS_SHOWN = 8  # a bootstrap step's reason names this many wheels (plan's JSON lists all)
 
 
 class StepKind(enum.StrEnum):
@@ -61,6 +62,27 @@ class DeviceStatus(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class DevicePlatform:
+    """What a device's wheels must be built for, and the wheels bootstrap already installed there."""
+
+    python: str  # "3.11"
+    implementation: str  # sys.implementation.name: "cpython"
+    machine: str  # platform.machine(): "x86_64", "aarch64"
+    libc: str  # "glibc" or "musl" ("" when unknown)
+    libc_version: str  # "2.36"
+    wheels: frozenset[str] = frozenset()  # sha256 of recorded wheels whose release is still installed
+
+
+@dataclass(frozen=True)
+class SystemTorch:
+    """The torch a `torch: system` device brings (JetPack's on a Jetson), as its agent's python sees it."""
+
+    version: str | None  # None: it cannot import torch (`error` says why)
+    cuda: bool = False  # torch.cuda.is_available() there
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class DeviceFacts:
     """What a device reported. `reachable=False` means nothing else is known; `refused` that it
     answered but refused us (a changed host key, failed authentication): blocked, never offline."""
@@ -79,6 +101,16 @@ class DeviceFacts:
     ready: bool = False
     systemd: bool = False  # the agent runs under systemd (else as a background process)
     stored_artifacts: Mapping[str, str] = field(default_factory=dict)  # sha256 -> version kept on disk
+    platform: DevicePlatform | None = None  # its python's (the agent's, else the bootstrap one's)
+    # The architecture the installed agent's wheels were built for (bootstrap's wheels record): one
+    # that differs from `arch` means the device was re-imaged, and the agent must be installed anew.
+    wheels_arch: str | None = None
+    torch: SystemTorch | None = None  # only for a `torch: system` device
+
+    @property
+    def arch(self) -> str | None:
+        """The device's CPU architecture, as platform.machine() names it ("x86_64", "aarch64")."""
+        return self.platform.machine if self.platform is not None else None
 
 
 @dataclass(frozen=True)
@@ -103,6 +135,14 @@ class DesiredState:
     rate: float | None = None
     metered: bool = False
     allow_full_on_metered: bool = False
+    # What the agent needs of the device: its torch is the device's own (`torch: system`), and
+    # agent.device cuda with the torch engine.
+    system_torch: bool = False
+    cuda: bool = False
+    # The agent's wheels the device lacks, by file name with their total size, when bootstrap is
+    # due (deployer.push.wheelhouse; empty when the controller did not resolve them).
+    wheels: tuple[str, ...] = ()
+    wheel_bytes: int = 0
 
 
 class ActionKind(enum.StrEnum):
@@ -175,6 +215,8 @@ class DevicePlan:
     to_version: str
     steps: tuple[Step, ...] = ()
     rate: float | None = None  # the device's link cap in bytes/s (None: no cap)
+    arch: str | None = None  # the device's CPU architecture (None: not reachable)
+    wheels: tuple[str, ...] = ()  # the agent's wheels it will receive (bootstrap), by file name
 
     @property
     def bytes_to_send(self) -> int:
@@ -232,6 +274,7 @@ def facts_digest(facts: Sequence[DeviceFacts]) -> str:
             f.agent_version,
             f.model_sha256,
             f.release_counter,
+            f.arch,
             sorted(f.unit_hashes.items()),
             sorted(f.stored_artifacts),
         )
@@ -269,19 +312,30 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
 
     def verdict(status: DeviceStatus, reason: str, steps: Sequence[Step] = ()) -> DevicePlan:
         return DevicePlan(
-            facts.name, status, reason, facts.model_version, desired.version, tuple(steps), desired.rate
+            facts.name,
+            status,
+            reason,
+            facts.model_version,
+            desired.version,
+            tuple(steps),
+            desired.rate,
+            facts.arch,
+            desired.wheels if any(s.kind is StepKind.BOOTSTRAP for s in steps) else (),
         )
 
     if facts.refused:
         return verdict(DeviceStatus.BLOCKED, facts.error or "refused")
     if not facts.reachable:
         return verdict(DeviceStatus.OFFLINE, facts.error or "unreachable")
+    cannot = cannot_run(desired, facts)
+    if cannot is not None:
+        return verdict(DeviceStatus.BLOCKED, cannot)
     steps: list[Step] = []
     if not desired.built:
         steps.append(Step(StepKind.BUILD, f"{desired.version} not built: run `sits-deployer build`"))
-    if facts.agent_version != desired.agent_version:
-        have = facts.agent_version or "none"
-        steps.append(Step(StepKind.BOOTSTRAP, f"agent {have} -> {desired.agent_version}"))
+    bootstrap = _bootstrap(desired, facts)
+    if bootstrap is not None:
+        steps.append(bootstrap)
     changed_units = sorted(u for u, h in desired.unit_hashes.items() if facts.unit_hashes.get(u) != h)
     stale = stale_files(desired, facts)
     if changed_units or stale:
@@ -307,6 +361,57 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
     if recipe is not None:
         steps = [replace(s, actions=recipe.actions(s.kind, facts, desired)) for s in steps]
     return verdict(DeviceStatus.CHANGE, reason, steps)
+
+
+def reimaged(facts: DeviceFacts) -> bool:
+    """Whether the device's agent was installed for another CPU architecture than it has now."""
+    return facts.wheels_arch is not None and facts.arch is not None and facts.wheels_arch != facts.arch
+
+
+def _bootstrap(desired: DesiredState, facts: DeviceFacts) -> Step | None:
+    """The bootstrap step, when the agent is missing, at another version, or built for another
+    architecture (a re-imaged device gets a new wheelhouse, never its old wheels)."""
+    if reimaged(facts):
+        why = f"re-imaged from {facts.wheels_arch} to {facts.arch}: the agent's wheels for {facts.arch}"
+    elif facts.agent_version != desired.agent_version:
+        why = f"agent {facts.agent_version or 'none'} -> {desired.agent_version}"
+    else:
+        return None
+    if desired.wheels:
+        shown = ", ".join(desired.wheels[:MAX_WHEELS_SHOWN])
+        more = len(desired.wheels) - MAX_WHEELS_SHOWN
+        why += f"; {len(desired.wheels)} wheel(s) to send: {shown}" + (f", {more} more" if more > 0 else "")
+    return Step(StepKind.BOOTSTRAP, why, desired.wheel_bytes)
+
+
+def cannot_run(desired: DesiredState, facts: DeviceFacts) -> str | None:
+    """Why the device cannot run the agent as deploy.yaml sets it, from its facts (None: it can).
+
+    Checked before anything is sent: the system torch a `torch: system` device must bring, and
+    agent.device cuda on a device whose torch sees no GPU (a system torch without CUDA, or the
+    wheelhouse's torch on aarch64: PyPI's, built for server GPUs (SBSA), not a Jetson's integrated
+    one, whose CUDA torch is JetPack's).
+    """
+    torch = facts.torch
+    if desired.system_torch and torch is not None and torch.version is None:
+        return (
+            f"its profile says torch: system, but its python cannot import torch ({torch.error}): "
+            "install the vendor's torch (Jetson: NVIDIA's JetPack wheels) or set torch: wheelhouse"
+        )
+    if not desired.cuda:
+        return None
+    if desired.system_torch and torch is not None and not torch.cuda:
+        return (
+            f"agent.device is cuda, but the device's system torch {torch.version} sees no CUDA device: "
+            "check JetPack's torch (torch.cuda.is_available()) or set agent.device: auto"
+        )
+    if not desired.system_torch and facts.arch == "aarch64":
+        return (
+            "agent.device is cuda, but the wheelhouse's torch for aarch64 is PyPI's, which has no CUDA "
+            "for a Jetson's integrated GPU: "
+            "give the device's profile torch: system (JetPack's CUDA torch) or set agent.device: auto"
+        )
+    return None
 
 
 def stale_files(desired: DesiredState, facts: DeviceFacts) -> list[str]:

@@ -13,15 +13,20 @@
                         second run of the same requirements, pins and target is served from there
                         without pip (and without network)
 
+    check_wheel         a wheel fits the target, or SitsError: its platform tag, and every ELF file in
+                        it built for the target's CPU (a wheel of the wrong architecture is never sent)
+
 pip runs with the controller's own configuration (its find-links, indexes and cache), so a wheel
 that pip finds on the controller's disk is found for the wheelhouse too. A requirement that exists
 only as a source distribution (llama-cpp-python compiles llama.cpp) is built into a wheel on the
 controller with `pip wheel`, which is only right when the device can run what the controller builds:
-same CPU architecture, Python and libc family, a libc no older. For any other device, a wheel built
-for it must lie in one of pip's find-links directories. For a device that runs the controller's
-builds pip also looks in <cache>/llama-cpp/wheels, where scripts/llamacpp.sh leaves the
+same CPU architecture, Python and libc family, a libc no older. For a device that runs the
+controller's builds pip also looks in <cache>/llama-cpp/wheels, where scripts/llamacpp.sh leaves the
 llama-cpp-python it built with our patches to llama.cpp (the one the controller runs; its local
-version label outranks PyPI's).
+version label outranks PyPI's). For an aarch64 device, llama-cpp-python is cross-compiled here by
+`scripts/llamacpp.sh wheel aarch64` into <cache>/llama-cpp/wheels-aarch64 (`cross_build=True`; a
+plan only names it), so the user places nothing by hand. For any other device, a wheel built for it
+must lie in one of pip's find-links directories.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
+import os
 import platform
 import re
 import shutil
@@ -51,12 +58,15 @@ from deployer.errors import SitsError
 from deployer.push.facts import DevicePlatform
 
 __all__ = [
+    "CROSS_BUILDS",
     "MANIFEST",
+    "CrossBuildPending",
     "PipTarget",
     "Wheel",
     "Wheelhouse",
     "agent_requirements",
     "build_wheelhouse",
+    "check_wheel",
     "controller_pins",
     "engine_extra",
 ]
@@ -71,7 +81,29 @@ _NO_MATCH = re.compile(
     r"No matching distribution found for (\S+)"
     r"|no matching distributions available for your environment:\s+(\S+)"
 )
+_log = logging.getLogger("sits.deployer")
 _lock = threading.Lock()  # devices of one rollout share a wheelhouse: build it once
+# Source-only requirements scripts/llamacpp.sh cross-compiles, and for which architectures.
+CROSS_BUILDS = {"llama-cpp-python": frozenset({"aarch64"})}
+CROSS_BUILD_TIMEOUT_S = 3600
+# ELF e_machine of each architecture platform.machine() names (what a wheel's libraries must be).
+_ELF_MACHINE = {"x86_64": 62, "aarch64": 183, "armv7l": 40, "i686": 3, "riscv64": 243, "ppc64le": 21}
+# The shared libraries check_wheel reads the ELF header of: what the device's loader maps (reading
+# every member's head instead took 1.5 s for torch's wheel, at each cached wheelhouse's load).
+_LIBRARY = re.compile(r"\.so(\.\d+)*$")
+
+
+class CrossBuildPending(SitsError):
+    """A source-only requirement must be cross-compiled for the target first (build_wheelhouse with
+    cross_build=False): a plan names it, apply compiles it."""
+
+    def __init__(self, name: str, target: PipTarget) -> None:
+        super().__init__(
+            f"no wheel of {name} for the device's platform ({target.describe()}) yet",
+            hint="apply cross-compiles it (10-20 minutes, once), or run "
+            f"`scripts/llamacpp.sh wheel {target.arch}` now",
+        )
+        self.name, self.arch = name, target.arch
 
 
 def engine_extra(engine: str) -> str:
@@ -202,6 +234,15 @@ class PipTarget:
         args += [f"--python-version={self.python_version}", f"--implementation={self.implementation}"]
         return args + [f"--abi={abi}" for abi in self.abis]
 
+    @property
+    def arch(self) -> str:
+        """The device's CPU architecture, as platform.machine() names it."""
+        return self.platforms[-1].removeprefix("linux_")
+
+    def describe(self) -> str:
+        """`manylinux_2_36_aarch64, Python 3.11`: the target in messages."""
+        return f"{self.platforms[0]}, Python {self.python_version[0]}.{self.python_version[1:]}"
+
     def runs_controller_builds(self) -> bool:
         """Whether a wheel that pip builds here runs on the device (same arch, Python, libc, no older)."""
         libc, version = platform.libc_ver()
@@ -255,13 +296,16 @@ def build_wheelhouse(
     *,
     cache: Path | None = None,
     pins: dict[str, str] | None = None,
+    cross_build: bool = True,
 ) -> Wheelhouse:
     """The wheelhouse for `requirements` on `target`: from the cache, else made with pip and cached.
 
     Every distribution in `pins` (name -> version; by default controller_pins(requirements)) comes
     at that version, so a device runs the releases its controller runs, whenever and wherever the
     wheelhouse is built; the others take the newest release in range. A cached wheelhouse is used
-    only when every wheel still has the hash its manifest recorded.
+    only when every wheel still has the hash its manifest recorded and fits the target (check_wheel).
+    A source-only requirement of CROSS_BUILDS is cross-compiled for the target when `cross_build`
+    (minutes, once), else CrossBuildPending names it and how to build it.
     Raises SitsError when pip cannot find or build a wheel for the target.
     """
     root = (cache or cache_root()) / "wheelhouse"
@@ -271,18 +315,20 @@ def build_wheelhouse(
         for name, version in (controller_pins(requirements) if pins is None else pins).items()
     )
     spec = {"requirements": sorted(requirements), "pins": constraints, "target": asdict(target), "v": 1}
-    if ours is not None:  # a new build of ours makes a new wheelhouse
-        spec["ours"] = sorted(wheel.name for wheel in ours.glob("*.whl"))
+    if ours:  # a new build of ours makes a new wheelhouse
+        spec["ours"] = sorted(wheel.name for folder in ours for wheel in folder.glob("*.whl"))
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
     folder = root / key
     with _lock:
-        cached = _load(folder)
+        cached = _load(folder, target)
         if cached is not None:
             return cached
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{key}.building-", dir=root))
         try:
-            _download(requirements, constraints, target, staging, ours)
+            _download(requirements, constraints, target, staging, ours, cross_build=cross_build)
+            for wheel in sorted(staging.glob("*.whl")):
+                check_wheel(wheel, target)
             hashes = {p.name: sha256_file(p) for p in sorted(staging.glob("*.whl"))}
             manifest = {**spec, "wheels": hashes}
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
@@ -290,12 +336,46 @@ def build_wheelhouse(
             staging.replace(folder)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        loaded = _load(folder)
+        loaded = _load(folder, target)
         assert loaded is not None  # just written
         return loaded
 
 
-def _load(folder: Path) -> Wheelhouse | None:
+def check_wheel(wheel: Path, target: PipTarget) -> None:
+    """Raise SitsError unless `wheel` runs on `target`: a platform tag the device accepts (or `any`)
+    and, in every shared library it holds, the device's CPU. The tag alone is a name anyone can write
+    (a mis-tagged build, a renamed file); the ELF header is what the device's loader reads."""
+    if not _tag_fits(wheel, target):
+        shown = sorted({tag.platform for tag in parse_wheel_filename(wheel.name)[3]})
+        raise SitsError(
+            f"{wheel.name} is for {', '.join(shown)}, not the device's {target.arch} ({target.describe()})",
+            hint=f"remove it from the find-links folder it came from; a wheel for {target.arch} is needed",
+        )
+    machine = _ELF_MACHINE.get(target.arch)
+    with zipfile.ZipFile(wheel) as zf:
+        for member in zf.infolist():
+            if not _LIBRARY.search(member.filename):
+                continue
+            with zf.open(member) as f:
+                head = f.read(20)
+            if head[:4] != b"\x7fELF" or len(head) < 20:
+                continue
+            found = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+            if found != machine:
+                named = {v: k for k, v in _ELF_MACHINE.items()}.get(found, f"ELF machine {found}")
+                raise SitsError(
+                    f"{wheel.name}: {member.filename} is built for {named}, not the device's {target.arch}",
+                    hint="the wheel is mis-tagged: rebuild it for the device "
+                    f"(scripts/llamacpp.sh wheel {target.arch} for llama-cpp-python) and remove this one",
+                )
+
+
+def _tag_fits(wheel: Path, target: PipTarget) -> bool:
+    """Whether the wheel's platform tag is one the target accepts (or `any`)."""
+    return any(tag.platform in {*target.platforms, "any"} for tag in parse_wheel_filename(wheel.name)[3])
+
+
+def _load(folder: Path, target: PipTarget) -> Wheelhouse | None:
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -304,6 +384,7 @@ def _load(folder: Path) -> Wheelhouse | None:
     for wheel in wheels:
         if not wheel.path.is_file() or sha256_file(wheel.path) != wheel.sha256:
             return None
+        check_wheel(wheel.path, target)
     return Wheelhouse(folder, tuple(manifest["requirements"]), wheels)
 
 
@@ -312,11 +393,47 @@ def _pip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=PIP_TIMEOUT_S)
 
 
-def _our_builds(target: PipTarget) -> Path | None:
-    """The folder of our own builds (scripts/llamacpp.sh's llama-cpp-python), when there is one and
-    `target` runs what this controller builds."""
-    ours = cache_root() / "llama-cpp" / "wheels"
-    return ours if ours.is_dir() and target.runs_controller_builds() else None
+def _our_builds(target: PipTarget) -> list[Path]:
+    """The folders of our own builds (scripts/llamacpp.sh's llama-cpp-python) for `target`: those
+    cross-compiled for its architecture, and this controller's own when the target runs them."""
+    root = cache_root() / "llama-cpp"
+    folders = [root / f"wheels-{target.arch}"]
+    if target.runs_controller_builds():
+        folders.append(root / "wheels")
+    return [folder for folder in folders if folder.is_dir()]
+
+
+def _cross_build(name: str, target: PipTarget) -> Path:
+    """Cross-compile source-only `name` for `target` with scripts/llamacpp.sh; the folder it left
+    the wheel in. Raises SitsError when it cannot."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "llamacpp.sh"
+    if not script.is_file():
+        raise SitsError(
+            f"no wheel of {name} for {target.describe()}, and {script} (which cross-compiles it) is missing",
+            hint="run sits-deployer from its source tree, or put a wheel built for the device into a "
+            "pip find-links directory",
+        )
+    _log.warning(
+        "cross-compiling %s for %s devices (10-20 minutes, once; cached in %s)",
+        name,
+        target.arch,
+        cache_root() / "llama-cpp",
+    )
+    env = {**os.environ, "SITS_VENV": str(Path(sys.executable).parents[1])}
+    done = subprocess.run(
+        [str(script), "wheel", target.arch],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=CROSS_BUILD_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise SitsError(
+            f"cross-compiling {name} for {target.arch} failed: {done.stderr.strip()[-600:]}",
+            hint=f"run `scripts/llamacpp.sh wheel {target.arch}` to see why",
+        )
+    return Path(done.stdout.strip()).parent
 
 
 def _pins_named(stderr: str, constraints: list[str]) -> str:
@@ -328,29 +445,64 @@ def _pins_named(stderr: str, constraints: list[str]) -> str:
 
 
 def _download(
-    requirements: tuple[str, ...], constraints: list[str], target: PipTarget, dest: Path, ours: Path | None
+    requirements: tuple[str, ...],
+    constraints: list[str],
+    target: PipTarget,
+    dest: Path,
+    ours: list[Path],
+    *,
+    cross_build: bool,
 ) -> None:
     """pip download every wheel into `dest`, held to `constraints` and looking in `ours` too; a
-    source-only requirement is built here when it may be."""
+    source-only requirement is built here (or cross-compiled) when it may be."""
     built = dest / "built"
     pinned = dest / "constraints.txt"  # stays in the wheelhouse: what it was held to
     pinned.write_text("".join(f"{line}\n" for line in constraints))
-    links = [] if ours is None else [f"--find-links={ours}"]
+    links = [f"--find-links={folder}" for folder in ours]
     for _ in range(len(requirements) + 1):  # each round builds one more source-only requirement
         done = _pip("download", "--progress-bar=off", "--only-binary=:all:", "--dest", str(dest),
                     f"--constraint={pinned}", *links, *target.pip_args(), *requirements)  # fmt: skip
         if done.returncode == 0:
             break
         match = _NO_MATCH.search(done.stderr + done.stdout)
-        lacking = None if match is None else match[1] or match[2]
-        if lacking is None or not target.runs_controller_builds():
+        if match is None:
             raise SitsError(
-                f"pip download of the agent's wheels for {target.platforms[0]} "
-                f"(Python {target.python_version}) failed: {done.stderr.strip()[-600:]}"
-                + _pins_named(done.stderr, constraints),
-                hint="the device gets the versions this controller runs (`pip freeze` lists them): put "
-                "wheels of those built for that device into a pip find-links directory (pip config "
-                "set global.find-links DIR), or install other versions on the controller, and retry",
+                f"pip download of the agent's wheels for {target.describe()} failed: "
+                f"{done.stderr.strip()[-600:]}" + _pins_named(done.stderr, constraints),
+                hint="check pip's sources on the controller (`pip config list`: its indexes and "
+                "find-links); the device gets the versions this controller runs (`pip freeze`)",
+            )
+        lacking = match[1] or match[2]
+        name = canonicalize_name(Requirement(lacking).name)
+        if target.arch in CROSS_BUILDS.get(name, frozenset()) and not target.runs_controller_builds():
+            if not cross_build:
+                raise CrossBuildPending(name, target)
+            folder = _cross_build(name, target)
+            cross = sorted(folder.glob("*.whl"))
+            if not any(_tag_fits(wheel, target) for wheel in cross):
+                # Tagged by the newest glibc its libraries need (scripts/llamacpp.sh): not this one.
+                raise SitsError(
+                    f"{name} cross-compiled here ({', '.join(w.name for w in cross)}) needs a newer "
+                    f"glibc than the device's ({target.describe()})",
+                    hint=f"build {name} on a device of that class (pip wheel --no-deps {lacking}) and "
+                    "put the wheel into a pip find-links directory (pip config set global.find-links DIR)",
+                )
+            links.append(f"--find-links={folder}")
+            continue
+        if not target.runs_controller_builds():
+            held = _pins_named(done.stderr, constraints)
+            raise SitsError(
+                f"no wheel of {name} for the device's platform ({target.describe()}), and it cannot "
+                f"be built here for {target.arch}" + held,
+                hint=f"put a wheel of {lacking} built for {target.platforms[-1]} into a pip find-links "
+                "directory (pip config set global.find-links DIR)"
+                + (
+                    ", or install other versions on the controller (the device gets the versions "
+                    "this controller runs: `pip freeze` lists them)"
+                    if held
+                    else ""
+                )
+                + ", and retry",
             )
         made = _pip(
             "wheel", "--quiet", "--no-deps", f"--constraint={pinned}", "--wheel-dir", str(built), lacking

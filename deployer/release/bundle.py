@@ -6,7 +6,8 @@ last `bases` artifacts this controller released (newest first, the ones still in
 device that runs one of them installs the patch, any other the full artifact. Its releases come from
 the ledger with counters above every release of another artifact, so a device that took a fleet
 rollback since still accepts them. The index is signed with the release key, which binds the device
-class.
+class. With `wheels` it also carries the agent's wheels for the devices' platform (a device
+installs or upgrades its agent from them with pip, offline, each wheel held to its sha256).
 """
 
 from __future__ import annotations
@@ -14,21 +15,25 @@ from __future__ import annotations
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from packaging.utils import parse_wheel_filename
+
 from deployer.config.models import Config
-from deployer.core.bundle import BUNDLE_INDEX, FULL_DIR, PATCH_DIR, BundleIndex
+from deployer.core.bundle import BUNDLE_INDEX, FULL_DIR, PATCH_DIR, WHEELS_DIR, BundleIndex
 from deployer.core.hashing import sha256_file
 from deployer.core.release import Envelope, FileHash, format_time
 from deployer.errors import ConfigError, SitsError
 from deployer.release.desired import Desired, Releaser, artifact_in_store
 from deployer.release.sign import add_signature
 
-__all__ = ["BundleResult", "bundle_class", "write_bundle"]
+__all__ = ["REQUIREMENTS", "BundleResult", "bundle_class", "write_bundle"]
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+REQUIREMENTS = f"{WHEELS_DIR}/requirements.txt"  # the wheels' pins with their sha256, for pip
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class BundleResult:
     counter: int  # the full release's
     patch_bases: tuple[str, ...]  # versions a device can patch from
     bytes: int
+    wheels: tuple[str, ...] = ()  # the agent's wheels it carries, by file name
 
 
 def bundle_class(config: Config, profile: str | None) -> str | None:
@@ -69,10 +75,12 @@ def write_bundle(
     device_class: str | None,
     bases: int = 3,
     now: datetime | None = None,
+    wheels: Sequence[Path] = (),
 ) -> BundleResult:
     """Write the bundle of `target` for `device_class` to `out`: a tar file when its name ends in
-    .tar, .tar.gz or .tgz, else a directory. Raises KeyFileError (no signing key), ConfigError
-    (`out` is something else than an earlier bundle), FormatError."""
+    .tar, .tar.gz or .tgz, else a directory; with `wheels` (the agent's, for the class's platform)
+    under wheels/ beside the requirements.txt that installs them. Raises KeyFileError (no signing
+    key), ConfigError (`out` is something else than an earlier bundle), FormatError."""
     releaser = Releaser(config)
     key = releaser.signing_key()  # before any work: a locked key fails fast
     # Above every release of another artifact (a fleet rollback's too): the controller cannot ask
@@ -98,6 +106,13 @@ def write_bundle(
             assert release.patch is not None  # Releaser makes a patch whenever a base is given
             _copy(release.manifest, tree / PATCH_DIR / base.artifact_sha256 / "release.json")
             _copy(release.patch, tree / PATCH_DIR / base.artifact_sha256 / "delta.patch")
+        pins = []
+        for wheel in wheels:
+            _copy(wheel, tree / WHEELS_DIR / wheel.name)
+            name, version, _, _ = parse_wheel_filename(wheel.name)
+            pins.append(f"{name}=={version} --hash=sha256:{sha256_file(wheel)}\n")
+        if pins:  # pip takes find-links in a requirements file relative to the file
+            (tree / REQUIREMENTS).write_text("--find-links .\n" + "".join(sorted(pins)))
         files = {
             p.relative_to(tree).as_posix(): FileHash(sha256=sha256_file(p), size=p.stat().st_size)
             for p in sorted(tree.rglob("*"))
@@ -121,6 +136,7 @@ def write_bundle(
         counter=full.counter,
         patch_bases=tuple(base.version for base, _ in patches),
         bytes=sum(f.size for f in files.values()),
+        wheels=tuple(sorted(w.name for w in wheels)),
     )
 
 

@@ -38,7 +38,7 @@ from deployer.push.facts import DeviceSite
 from deployer.push.fleet import FleetPlan, FleetSession, make_fleet_plan
 from deployer.push.hooks import HookContext, HookResult
 from deployer.push.operations import VERSIONS_DIR
-from deployer.push.plan import DeviceFacts
+from deployer.push.plan import DeviceFacts, DevicePlatform
 from deployer.push.rollout import MetricsSnapshot, Sample
 from deployer.release.desired import Desired, ReleaseFiles
 from deployer.transport.base import ConnectionDropped, RetryPolicy, RunResult, Transport
@@ -77,6 +77,8 @@ class SimDevice:
     errors: float = 0.0
     answers: float = 0.0  # generation requests, and those its fallback upstream answered
     fallbacks: float = 0.0
+    arch: str = "x86_64"  # its CPU now
+    wheels_arch: str | None = "x86_64"  # the CPU its agent's wheels were installed for
 
     def metrics(self) -> MetricsSnapshot:
         """What its /metrics would say now."""
@@ -97,6 +99,8 @@ class SimDevice:
             unit_hashes=unit_hashes,
             ready=self.serving == self.version and self.version is not None,
             stored_artifacts=dict(self.kept),
+            platform=DevicePlatform("3.11", "cpython", self.arch, "glibc", "2.36"),
+            wheels_arch=self.wheels_arch,
         )
 
 
@@ -404,11 +408,14 @@ class SimFleet:
             out.append(device.facts(hashes))
         return out
 
-    def plan(self, target: Desired | None = None) -> FleetPlan:
-        """The real planner and recipe on the simulated facts (patches from 1.0.0 to the target)."""
+    def plan(
+        self, target: Desired | None = None, wheels: dict[str, tuple[tuple[str, ...], int]] | None = None
+    ) -> FleetPlan:
+        """The real planner and recipe on the simulated facts (patches from 1.0.0 to the target);
+        `wheels`: the agent's wheels each device lacks, as deployer.push.fleet gathers them."""
         target = target or self.target
         patches = {self.v1.artifact_sha256: self.patch} if target is self.target else {}
-        return make_fleet_plan(self.config, self.session.sites, self.facts(), target, patches)
+        return make_fleet_plan(self.config, self.session.sites, self.facts(), target, patches, wheels=wheels)
 
     def releases(self, _session: FleetSession, fp: FleetPlan) -> dict[str, ReleaseFiles]:
         """A signed-release stand-in per changing device: a manifest the SimTransport reads."""

@@ -6,7 +6,10 @@ message and the device keeps the version it had."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tarfile
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -32,9 +35,10 @@ from deployer.errors import (
     ReplayError,
     SignatureError,
 )
-from deployer.release.bundle import write_bundle
+from deployer.release.bundle import REQUIREMENTS, write_bundle
 from deployer.release.desired import Desired, Releaser, artifact_in_store
 from tests.agent.ota.conftest import Kit
+from tests.push.wheels import fake_wheel
 
 
 @dataclass
@@ -261,3 +265,42 @@ def test_apply_tells_each_device_its_class(site: Site) -> None:
     )
     plain._path = site.config._path
     assert "device_class" not in agent_settings(plain, DeviceSite.of(plain, plain.fleet.devices[0]))
+
+
+def test_a_bundle_carries_the_agents_wheels_that_pip_installs_offline_held_to_their_hashes(
+    tmp_path: Path, site: Site
+) -> None:
+    made = tmp_path / "made"
+    made.mkdir()
+    wheels = [
+        fake_wheel(made, "alpha", "1.0", "py3-none-any"),
+        fake_wheel(made, "beta", "2.0", "py3-none-any"),
+    ]
+    out = tmp_path / "usb" / "bundle"
+    result = write_bundle(site.config, site.v2, out, device_class="kiosk", wheels=wheels)
+    assert result.wheels == ("alpha-1.0-py3-none-any.whl", "beta-2.0-py3-none-any.whl")
+    signed = json.loads((out / BUNDLE_INDEX).read_bytes())["signed"]["files"]
+    assert {"wheels/alpha-1.0-py3-none-any.whl", REQUIREMENTS} <= set(signed)
+
+    def pip_install(target: Path) -> subprocess.CompletedProcess[str]:
+        argv = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--require-hashes",
+            "-r",
+            str(out / REQUIREMENTS),
+        ]
+        env = {**os.environ, "PIP_CONFIG_FILE": "/dev/null"}
+        return subprocess.run(
+            [*argv, "--target", str(target)], capture_output=True, text=True, env=env, check=False
+        )
+
+    done = pip_install(tmp_path / "site-packages")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "site-packages" / "beta-2.0.dist-info").is_dir()
+    fake_wheel(out / "wheels", "beta", "2.0", "py3-none-any", "x86_64")  # the same name, other bytes
+    assert "THESE PACKAGES DO NOT MATCH THE HASHES" in pip_install(tmp_path / "other").stderr
+    assert site.install(out).payload == "patch"  # the device's own install ignores them

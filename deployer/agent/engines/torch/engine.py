@@ -34,6 +34,7 @@ from deployer.agent.engines.base import (
 )
 from deployer.agent.engines.logits import TokenProcessor, Vocabulary
 from deployer.agent.engines.textstream import token_events
+from deployer.agent.engines.torch import native
 from deployer.agent.engines.torch.compile import (
     Decode,
     chunk_lengths,
@@ -675,6 +676,8 @@ class TorchEngine(Engine):
                 "kernels": ", ".join(f"{k}={n}" for k, n in sorted(counts.items())),
                 "head": loaded.kernels["lm_head"],
                 "kernel_choice": loaded.kernel_note,
+                # Why our CPU kernels are not used here (x86-only code on an Arm board), or "ours".
+                "cpu_kernels": (native.cpu_kernels()[1] or "ours") if loaded.device.type == "cpu" else "-",
                 "kv_cache": str(loaded.model.kv_dtype).removeprefix("torch."),
                 "architecture": loaded.args.architecture,
                 "slots": str(self._slots),

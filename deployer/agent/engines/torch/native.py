@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -78,6 +79,9 @@ def cpu_kernels() -> tuple[CpuKernels | None, str]:
     """The ops the layers should use on this CPU, or (None, why not): ours on AVX2 CPUs without
     AVX-512 (see built_kernels), torch's elsewhere."""
     capability = torch.backends.cpu.get_cpu_capability()
+    machine = platform.machine()
+    if machine not in ("x86_64", "AMD64"):  # an Arm board: torch's NEON/SVE kernels, never ours
+        return None, f"ours are x86-64 (AVX2) code; on {machine} torch's own kernels serve ({capability})"
     if capability != "AVX2":
         # With AVX-512 torch's own kernels were fast already (compiled int4 at 1.26x llama.cpp).
         return None, f"torch's own kernels serve this CPU ({capability}); ours are for AVX2 without AVX-512"

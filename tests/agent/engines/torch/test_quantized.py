@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deployer.agent.engines.torch import native
 from deployer.agent.engines.torch.qlinear import (
     KERNEL_DEQUANT,
     KERNEL_FP32_AVX2,
@@ -268,6 +269,8 @@ def test_the_loader_runs_each_fp32_layer_on_its_timed_kernel(
     assert kernels["model.layers.0.mlp.down_proj"] == kernels["lm_head"] == KERNEL_ONEDNN
     assert engine.describe().kernel == f"{KERNEL_LINEAR}+{KERNEL_ONEDNN}"
     assert engine.describe().extra["kernel_choice"].startswith("timed at load, 1 row: ")
+    # Why our CPU kernels serve or not, as native says it for this CPU (an Arm board: x86-only code).
+    assert engine.describe().extra["cpu_kernels"] == (native.cpu_kernels()[1] or "ours")
     monkeypatch.undo()
     ids = engine.encode(PROMPT)
     torch.testing.assert_close(engine.logits(ids), engine_on(tiny_model_dir).logits(ids), rtol=0, atol=1e-4)
