@@ -7,8 +7,9 @@ figures), installed in its device store before it starts. For each client count 
 every client sends `--requests` chat completions of `--tokens` tokens one after the other
 (greedy, streamed with a usage chunk); in the `base` row every client names the base model, in
 the `adapters` row client i names adapter i % 4, so 4 and 16 clients mix 4 adapters in every
-decode step. A row's aggregate is all streamed tokens over its wall time; the ratio is adapters
-over base. Target (2 CPU cores, and on the GPU): >= 0.85 at 4 clients.
+decode step. A run's aggregate is all streamed tokens over its wall time; each mode runs
+`--repeats` times, alternated with the other, and the table shows the medians; the ratio is
+adapters over base. Target (2 CPU cores, and on the GPU): >= 0.85 at 4 clients.
 
     PYTHONPATH=. python bench/adapters.py                  # CPU, 1 engine thread, eager
     PYTHONPATH=. python bench/adapters.py --compile on     # CPU, the base's decode step compiled
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -178,6 +181,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2, help="per client, one after the other")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--repeats", type=int, default=3, help="base and adapters alternated; medians")
     parser.add_argument(
         "--compile",
         choices=["off", "on"],
@@ -201,9 +205,11 @@ def main() -> None:
             stream_once(port, name, 8)  # warm-up: every path once
         rows = []
         for clients in args.clients:
-            rows.append(measure(port, [base] * clients, args.requests, args.tokens, "base"))
             names = [ADAPTERS[i % len(ADAPTERS)] for i in range(clients)]
-            rows.append(measure(port, names, args.requests, args.tokens, "adapters"))
+            # Alternated, so that a change in the machine's load hits both modes alike.
+            for _ in range(args.repeats):
+                rows.append(measure(port, [base] * clients, args.requests, args.tokens, "base"))
+                rows.append(measure(port, names, args.requests, args.tokens, "adapters"))
     finally:
         assert process.stdin is not None
         process.stdin.close()
@@ -213,13 +219,15 @@ def main() -> None:
     for column in ("clients", "base tok/s", "4 adapters tok/s", "ratio", "target"):
         table.add_column(column, justify="right")
     for clients in args.clients:
-        b, a = (next(r for r in rows if r.clients == clients and r.mode == m) for m in ("base", "adapters"))
-        ratio = a.aggregate_tok_s / b.aggregate_tok_s
-        target = ">= 0.85" if clients == 4 else ""
-        table.add_row(
-            str(clients), f"{b.aggregate_tok_s:.1f}", f"{a.aggregate_tok_s:.1f}", f"{ratio:.2f}", target
+        b, a = (
+            statistics.median(r.aggregate_tok_s for r in rows if r.clients == clients and r.mode == m)
+            for m in ("base", "adapters")
         )
+        ratio = a / b
+        target = ">= 0.85" if clients == 4 else ""
+        table.add_row(str(clients), f"{b:.1f}", f"{a:.1f}", f"{ratio:.2f}", target)
     Console().print(table)
+    print(f"medians of {args.repeats} alternated runs; load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -237,6 +237,9 @@ class Engine(EngineText):
         at once when the engine has no embeddings."""
         raise AgentError(f"the {type(self).__name__} engine has no embeddings")
 
+    # Whether load_adapter can succeed at all (False: every adapter is refused, whatever it is).
+    serves_adapters = False
+
     def load_adapter(self, key: str, adapter: LoraAdapter, directory: Path) -> None:
         """Load a LoRA adapter (read from the artifact `directory`) under `key`, the base model
         untouched; requests name it by `SamplingParams.adapter`. AgentError when this engine

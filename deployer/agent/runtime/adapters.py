@@ -119,6 +119,12 @@ class AdapterSet:
     def load(self, record: AdapterRecord) -> LoadedAdapter:
         """Load one installed adapter version (see `reload`)."""
         source = self._require_source()
+        engine = self._scheduler.engine
+        if not engine.serves_adapters:
+            raise AgentError(
+                f"the {type(engine).__name__} serves no LoRA adapters",
+                hint="serve the model with the torch engine (docs/openai-api.md, LoRA adapters)",
+            )
         adapter = read_adapter(record.path)
         if adapter.name != record.name:
             raise AgentError(
@@ -142,7 +148,6 @@ class AdapterSet:
             )
         key = f"{record.name}@{record.artifact_id[:16]}#{next(self._serial)}"
         loaded = LoadedAdapter(record.name, record.version, record.artifact_id, key, nbytes)
-        engine = self._scheduler.engine
         with self._load_lock:
             self._make_room(record.name, nbytes, source.budget_bytes)
             self._scheduler.run(lambda: engine.load_adapter(key, adapter, record.path))
@@ -164,7 +169,15 @@ class AdapterSet:
         if self._source is None:
             return
         store = self._source.store
-        for name in store.installed():
+        installed = store.installed()
+        if installed and not self._scheduler.engine.serves_adapters:
+            # Not the adapters' fault: no rollback; they load once an engine that serves them does.
+            engine = type(self._scheduler.engine).__name__
+            lifecycle_event(
+                "adapters-skipped", version=self._base_version, reason=f"the {engine} serves no LoRA adapters"
+            )
+            return
+        for name in installed:
             # Any failure of one adapter (foreign code included) must leave the base serving.
             try:
                 self.reload(name)

@@ -13,11 +13,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from deployer.agent.engines import make_engine
+from deployer.agent.engines.base import Engine
 from deployer.agent.http.server import AgentServer
 from deployer.agent.ota.adapters import AdapterStore
 from deployer.core.fsutil import read_json_object
 from deployer.core.lora import from_peft, write_adapter
-from tests.agent.conftest import StartAgent, parse_samples
+from tests.agent.conftest import EngineWrapper, StartAgent, parse_samples
 from tests.agent.engines.torch.steps import PROMPTS
 from tests.agent.lora_helpers import make_peft_adapter
 
@@ -151,3 +153,69 @@ def test_start_up_rolls_back_an_adapter_that_fails_to_load(
     assert ask(agent, "summarise")[1] == "summarise@1"
     assert AdapterStore(root).state("summarise").version == "1"
     assert AdapterStore(root).state("summarise").counter == 2  # a rollback never lowers it
+
+
+class NoAdapters(EngineWrapper):
+    """The real torch engine, as an engine that serves no adapters (the llama.cpp engine today)."""
+
+    serves_adapters = False
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+
+def test_an_engine_without_adapters_skips_them_and_keeps_them_installed(
+    start_agent: StartAgent, short_dir: Path, artifacts: dict[str, Path], http: Callable
+) -> None:
+    root = store_root(short_dir / "root0")
+    install(root, artifacts["summarise-1"], 1)
+    install(root, artifacts["summarise-2"], 2)
+    agent = start_agent(factory=lambda: NoAdapters(make_engine("torch", context_length=256, threads=1)))
+    assert all(m.model_dump().get("kind") != "lora" for m in client(agent).models.list())
+    assert AdapterStore(root).state("summarise").version == "2"  # not rolled back: not its fault
+    status, _, body = http(agent.admin_socket, "POST", "/admin/adapters/reload", {"name": "summarise"})
+    assert status == 409 and "serves no LoRA adapters" in body["error"]["message"]
+
+
+@pytest.mark.slow
+def test_smollm2_adapter_equals_the_merged_model_alone_and_in_a_mixed_batch(
+    start_agent: StartAgent, short_dir: Path, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """A real rank-8 q/v PEFT adapter of SmolLM2-135M-Instruct: through the official client, its
+    greedy chat answers are those of the checkpoint with the adapter merged in (PEFT's own
+    merge_and_unload, fp32, served by a second agent), alone and beside the base in one batch."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_dir = make_peft_adapter(smollm2_dir, tmp_path / "peft", seed=5, rank=8, alpha=16, b_std=0.02)
+    write_adapter(from_peft(peft_dir, "summarise", "1", "smollm2"), tmp_path / "artifact")
+    install(store_root(short_dir / "root0"), tmp_path / "artifact", 1)
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    merged_dir = tmp_path / "merged"
+    PeftModel.from_pretrained(base, peft_dir).merge_and_unload().save_pretrained(merged_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, merged_dir / name)
+    settings = {"context_length": 512, "max_prompt_tokens": 256, "max_tokens": 32, "max_concurrent": 4}
+    agent = start_agent(load=False, **settings)
+    assert agent.reload(smollm2_dir, "v1").ok
+    reference = start_agent(load=False, **settings)
+    assert reference.reload(merged_dir, "merged").ok
+    base_id = next(m.id for m in client(agent).models.list() if "@" in m.id)
+    merged_id = next(m.id for m in client(reference).models.list())
+    questions = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish."]
+
+    def chat(server: AgentServer, model: str, question: str) -> str:
+        answer = client(server).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0
+        )
+        return answer.choices[0].message.content or ""
+
+    want = [chat(reference, merged_id, q) for q in questions]
+    assert [chat(agent, "summarise", q) for q in questions] == want
+    assert [chat(agent, base_id, q) for q in questions] != want  # the adapter changes the answers
+    jobs = [(m, q) for q in questions for m in ("summarise", base_id)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        mixed = list(pool.map(lambda job: chat(agent, *job), jobs))
+    assert mixed[::2] == want

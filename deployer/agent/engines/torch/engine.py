@@ -161,6 +161,8 @@ def choose_device(device: str) -> tuple[str, str]:
 class TorchEngine(Engine):
     """Runs an artifact with the torch model of `model.py`: `slots` sequences, batched decode."""
 
+    serves_adapters = True
+
     def __init__(
         self,
         *,
