@@ -13,7 +13,7 @@ adapters over base. Target (2 CPU cores, and on the GPU): >= 0.85 at 4 clients.
 
     PYTHONPATH=. python bench/adapters.py                  # CPU, 1 engine thread, eager
     PYTHONPATH=. python bench/adapters.py --compile on     # CPU, the base's decode step compiled
-    PYTHONPATH=. python bench/adapters.py --device cuda    # the GPU
+    PYTHONPATH=. python bench/adapters.py --device cuda    # the GPU (random weights, SmolLM2's shape)
     PYTHONPATH=. python bench/adapters.py --tokens 16 --requests 1 --clients 1 4   # a smoke run
 """
 
@@ -54,7 +54,7 @@ class Row:
     aggregate_tok_s: float
 
 
-def child_agent(device: str, threads: int, compile_: str) -> None:
+def child_agent(device: str, threads: int, compile_: str, model: Path) -> None:
     """An agent serving SmolLM2 with the bench's adapters installed; prints its port, serves until
     stdin closes."""
     from deployer.agent.engines import make_engine
@@ -63,11 +63,9 @@ def child_agent(device: str, threads: int, compile_: str) -> None:
     from deployer.agent.ota.adapters import AdapterStore
     from deployer.agent.ota.store import DeviceStore
     from deployer.agent.settings import AgentSettings
-    from deployer.build.demo_model import prepare_smollm2
     from deployer.core.lora import from_peft, write_adapter
     from tests.agent.lora_helpers import make_peft_adapter
 
-    model = prepare_smollm2()
     root = Path(tempfile.mkdtemp(prefix="sits-bench-adapters-"))
     store = AdapterStore(DeviceStore(root).base)
     for seed, name in enumerate(ADAPTERS, start=1):
@@ -108,9 +106,24 @@ def child_agent(device: str, threads: int, compile_: str) -> None:
     server.stop()
 
 
-def start_agent(device: str, threads: int, compile_: str) -> tuple[subprocess.Popen[str], int]:
+def bench_model(args: argparse.Namespace) -> Path:
+    """SmolLM2-135M-Instruct (fp32) on a CPU; on the GPU random bf16 weights in its shape with its
+    tokenizer (bench/serve.py's random_model: no stream ends early), which a GPU machine without
+    the model's GGUF can make."""
+    from deployer.build.demo_model import prepare_smollm2
+
+    if args.device == "cpu":
+        return prepare_smollm2()
+    sys.path.insert(0, str(REPO / "bench"))
+    from serve import random_model  # bench/serve.py
+
+    tokenizer = args.tokenizer or prepare_smollm2()
+    return random_model("SmolLM2-135M", tokenizer, Path(tempfile.mkdtemp(prefix="sits-bench-model-")))
+
+
+def start_agent(device: str, threads: int, compile_: str, model: Path) -> tuple[subprocess.Popen[str], int]:
     process = subprocess.Popen(
-        [sys.executable, __file__, "--child-agent", device, str(threads), compile_],
+        [sys.executable, __file__, "--child-agent", device, str(threads), compile_, str(model)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -184,17 +197,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="base and adapters alternated; medians")
     parser.add_argument(
         "--compile",
-        choices=["off", "on"],
-        default="off",
-        help="CPU: off runs both rows eager; on compiles the decode step first (the base's steps "
-        "use it, steps with adapter rows run eager)",
+        choices=["off", "on", "auto"],
+        help="the engine's compile: off (the CPU's default) runs both modes eager; on compiles the "
+        "decode step first; auto (the GPU's default) captures CUDA graphs. The base's steps use "
+        "them, steps with adapter rows run eager",
     )
-    parser.add_argument("--child-agent", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="cuda: the tokenizer of the random SmolLM2-shaped model (default: the cached SmolLM2's)",
+    )
+    parser.add_argument("--child-agent", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.compile = args.compile or ("off" if args.device == "cpu" else "auto")
     if args.child_agent:
-        child_agent(args.child_agent[0], int(args.child_agent[1]), args.child_agent[2])
+        device, threads, compile_, model = args.child_agent
+        child_agent(device, int(threads), compile_, Path(model))
         return
-    process, port = start_agent(args.device, args.threads, args.compile)
+    process, port = start_agent(args.device, args.threads, args.compile, bench_model(args))
     try:
         listed = models(port)
         base = next(m["id"] for m in listed if m.get("kind") != "lora")
@@ -214,8 +234,8 @@ def main() -> None:
         assert process.stdin is not None
         process.stdin.close()
         process.wait(120)
-    how = f"{args.device}, compile {args.compile}" if args.device == "cpu" else args.device
-    table = Table(title=f"LoRA adapters, SmolLM2-135M fp32, torch engine on {how}")
+    how = f"fp32, CPU, compile {args.compile}" if args.device == "cpu" else "random bf16, CUDA"
+    table = Table(title=f"LoRA adapters, SmolLM2-135M ({how}), torch engine")
     for column in ("clients", "base tok/s", "4 adapters tok/s", "ratio", "target"):
         table.add_column(column, justify="right")
     for clients in args.clients:
