@@ -29,9 +29,14 @@ from deployer.agent.runtime.scheduler import Scheduler
 from deployer.core.lora import LoraAdapter, read_adapter
 from deployer.errors import AgentError, SitsError
 
-__all__ = ["AdapterSet", "AdapterSource", "LoadedAdapter", "adapter_memory_bytes"]
+__all__ = ["AdapterSet", "AdapterSource", "LoadedAdapter", "OtherBase", "adapter_memory_bytes"]
 
 _log = logging.getLogger("sits.agent")
+
+
+class OtherBase(AgentError):
+    """The adapter was made for another base artifact than the model served (after a base update,
+    until its version for the new base is installed): not a fault of the adapter's own."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ class AdapterSet:
             )
         base = source.base_artifact_id(self._base_version)
         if base is not None and adapter.base_artifact_id != base:
-            raise AgentError(
+            raise OtherBase(
                 f"adapter {record.name} {record.version} was made for base artifact "
                 f"{adapter.base_artifact_id[:16]}..., but model version {self._base_version} "
                 f"is {base[:16]}...",
@@ -164,8 +169,8 @@ class AdapterSet:
 
     def load_installed(self) -> None:
         """Load every adapter the store has installed (at start-up and after a swap). One that fails
-        to load is rolled back to its previous version in the store, which is loaded instead; the
-        base serves whatever happens."""
+        to load is rolled back to its previous version in the store, which is loaded instead, except
+        one made for another base (kept as it is); the base serves whatever happens."""
         if self._source is None:
             return
         store = self._source.store
@@ -181,6 +186,9 @@ class AdapterSet:
             # Any failure of one adapter (foreign code included) must leave the base serving.
             try:
                 self.reload(name)
+            except OtherBase as exc:
+                self._failed(name, exc)  # kept installed: its version for this base comes later
+                continue
             except Exception as exc:
                 self._failed(name, exc)
                 restored = store.rollback(name)

@@ -12,7 +12,7 @@ import pytest
 
 from deployer.agent.engines.torch.engine import TorchEngine
 from deployer.agent.ota.adapters import AdapterStore
-from deployer.agent.runtime.adapters import AdapterSet, AdapterSource, adapter_memory_bytes
+from deployer.agent.runtime.adapters import AdapterSet, AdapterSource, OtherBase, adapter_memory_bytes
 from deployer.agent.runtime.scheduler import Scheduler, SchedulerLimits
 from deployer.agent.types import SamplingParams
 from deployer.core.lora import from_peft, read_adapter, write_adapter
@@ -116,7 +116,11 @@ def test_an_adapter_for_another_base_is_refused(
     scheduler: Scheduler, artifacts: dict[str, Path], tmp_path: Path
 ) -> None:
     AdapterStore(tmp_path).install("a", artifacts["a1"], "a1-id", "1", 1)
+    AdapterStore(tmp_path).install("a", artifacts["a2"], "a2-id", "2", 2)
     source = AdapterSource(AdapterStore(tmp_path), lambda version: "another-base", 2**30)
-    with pytest.raises(AgentError, match="made for base artifact tiny-base"):
-        AdapterSet(scheduler, source, "v1").reload("a")
-    assert engine_keys(scheduler) == "-"
+    adapters = AdapterSet(scheduler, source, "v1")
+    with pytest.raises(OtherBase, match="made for base artifact tiny-base"):
+        adapters.reload("a")
+    adapters.load_installed()  # after a base update: skipped, and not rolled back
+    assert AdapterStore(tmp_path).state("a").version == "2"
+    assert adapters.known() == [] and engine_keys(scheduler) == "-"
