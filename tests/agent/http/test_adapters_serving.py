@@ -5,6 +5,7 @@ adapters are real PEFT adapters of the tiny model."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import openai
 import pytest
+from click.testing import CliRunner
 
+from deployer.agent.cli import cli
 from deployer.agent.engines import make_engine
 from deployer.agent.engines.base import Engine
 from deployer.agent.http.server import AgentServer
@@ -219,3 +222,26 @@ def test_smollm2_adapter_equals_the_merged_model_alone_and_in_a_mixed_batch(
     with ThreadPoolExecutor(len(jobs)) as pool:
         mixed = list(pool.map(lambda job: chat(agent, *job), jobs))
     assert mixed[::2] == want
+
+
+def test_the_adapter_commands_reload_and_list_through_the_admin_socket(
+    agent: AgentServer, artifacts: dict[str, Path], short_dir: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"admin_socket: {agent.admin_socket}\n")
+    device = ["--root", str(short_dir / "root0"), "--config", str(config)]
+
+    def sits_agent(*args: str) -> dict:
+        result = CliRunner().invoke(cli, [*args, *device, "--output", "json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    install(store_root(short_dir / "root0"), artifacts["summarise-2"], 2)
+    assert sits_agent("adapter", "reload", "summarise") == {
+        "name": "summarise",
+        "version": "2",
+        "status": "loaded",
+    }
+    listed = {a["name"]: a for a in sits_agent("adapter", "list")["adapters"]}
+    assert (listed["summarise"]["loaded_version"], listed["summarise"]["previous_version"]) == ("2", "1")
+    assert listed["extract"]["loaded"] is True
