@@ -245,3 +245,17 @@ def test_the_adapter_commands_reload_and_list_through_the_admin_socket(
     listed = {a["name"]: a for a in sits_agent("adapter", "list")["adapters"]}
     assert (listed["summarise"]["loaded_version"], listed["summarise"]["previous_version"]) == ("2", "1")
     assert listed["extract"]["loaded"] is True
+
+
+def test_langchain_selects_an_adapter_by_model_name(agent: AgentServer) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model="extract",
+        base_url=f"http://127.0.0.1:{agent.port}/v1",
+        api_key="none",
+        temperature=0,
+        max_tokens=8,
+        max_retries=0,
+    )
+    assert chat.invoke("Hello").response_metadata["model_name"] == "extract@1"
