@@ -11,7 +11,7 @@ import pytest
 
 from deployer.build.demo_model import make_tiny_checkpoint
 from deployer.config import validate_file
-from tests.peft_adapters import make_peft_adapter
+from tests.agent.lora_helpers import make_peft_adapter
 
 # `source:` of the first adapter sits on line 9, its value at column 15 (see _config).
 AT = (9, 15, "model.adapters[0].source")
@@ -20,14 +20,14 @@ AT = (9, 15, "model.adapters[0].source")
 @pytest.fixture(scope="module")
 def peft_adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A rank-4 q/v LoRA adapter of the tiny model, made by peft."""
-    return make_peft_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapter") / "summarise")
+    return make_peft_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapter") / "summarise", seed=0)
 
 
 @pytest.fixture(scope="module")
 def narrow_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An adapter of another base: the tiny model's layout with hidden size 32, not 64."""
     base = make_tiny_checkpoint(tmp_path_factory.mktemp("narrow-base"), hidden_size=32)
-    return make_peft_adapter(base, tmp_path_factory.mktemp("narrow") / "narrow")
+    return make_peft_adapter(base, tmp_path_factory.mktemp("narrow") / "narrow", seed=0)
 
 
 def _config(tmp_path: Path, base: Path, adapters: list[tuple[str, Path]]) -> Path:
