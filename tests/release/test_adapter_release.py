@@ -1,0 +1,298 @@
+"""Adapter artifacts and releases (issue #41): built reproducibly from real PEFT adapters, signed
+like model releases, and refused on the device — replayed, downgraded, for another base, tampered —
+with nothing installed or loaded; a failed smoke test rolls the adapter back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from deployer.agent.ota.adapter_install import AdapterControl, AdapterInstaller, ControlAnswer
+from deployer.build.adapter import AdapterBuild, AdapterBuildRequest, build_adapter
+from deployer.core.adapter_release import make_adapter_release
+from deployer.core.hashing import sha256_file
+from deployer.core.release import Envelope, PatchRef
+from deployer.errors import (
+    AgentError,
+    BaseMismatchError,
+    BuildError,
+    ExpiredError,
+    FormatError,
+    HashMismatchError,
+    ReplayError,
+    SignatureError,
+)
+from deployer.release.delta import create_patch
+from deployer.release.sign import add_signature, envelope_for
+from tests.agent.lora_helpers import make_peft_adapter
+from tests.build.conftest import small_gate
+from tests.release.helpers import NOW, Fleet, artifact_id, tree
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """Two versions of one adapter for fleet.v1, one for fleet.v2, and their PEFT sources."""
+
+    v1: AdapterBuild
+    v2: AdapterBuild
+    other_base: AdapterBuild
+    peft: Path
+
+
+def _request(fleet: Fleet, tiny: Path, peft: Path, store: Path, version: str, base: Path | None = None):
+    base = base or fleet.v1
+    return AdapterBuildRequest(
+        name="summarise",
+        version=version,
+        peft_dir=peft,
+        scale=1.0,
+        base_artifact_dir=base,
+        base_artifact_id=artifact_id(base),
+        base_source_dir=tiny,
+        store_dir=store,
+    )
+
+
+@pytest.fixture(scope="module")
+def adapters(fleet: Fleet, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Adapters:
+    root = tmp_path_factory.mktemp("adapters")
+    peft1 = make_peft_adapter(tiny_model_dir, root / "peft1", seed=1)
+    peft2 = make_peft_adapter(tiny_model_dir, root / "peft2", seed=2)
+    store = root / "store"
+    return Adapters(
+        v1=build_adapter(_request(fleet, tiny_model_dir, peft1, store, "1.0.0")),
+        v2=build_adapter(_request(fleet, tiny_model_dir, peft2, store, "1.1.0")),
+        other_base=build_adapter(_request(fleet, tiny_model_dir, peft1, store, "1.0.0", base=fleet.v2)),
+        peft=peft1,
+    )
+
+
+def test_the_build_is_reproducible_and_bound_to_its_base(fleet, tiny_model_dir, adapters, tmp_path):
+    again = build_adapter(_request(fleet, tiny_model_dir, adapters.peft, tmp_path / "store", "1.0.0"))
+    assert again.artifact_id == adapters.v1.artifact_id
+    assert tree(again.artifact_dir) == tree(adapters.v1.artifact_dir)
+    assert adapters.other_base.artifact_id != adapters.v1.artifact_id  # same factors, other base
+    meta = json.loads((adapters.v1.artifact_dir / "adapter.json").read_text())
+    assert meta["base_artifact_id"] == artifact_id(fleet.v1)
+    assert sorted(p.name for p in adapters.v1.artifact_dir.iterdir()) == [
+        "adapter.json",
+        "adapter.safetensors",
+        "sits-adapter.json",
+    ]
+
+
+def test_the_quality_gate_scores_base_plus_adapter_against_the_merged_model(
+    fleet, tiny_model_dir, adapters, tmp_path
+):
+    request = _request(fleet, tiny_model_dir, adapters.peft, tmp_path / "store", "1.0.0")
+    gated = build_adapter(AdapterBuildRequest(**{**request.__dict__, "gate": small_gate()}))
+    assert gated.quality is not None and gated.quality.passed
+    # int8 base + fp16 factors stay close to the fp32 merged model; the figures go into the manifest.
+    assert gated.quality.top1_agreement > 0.9
+    manifest = json.loads((gated.artifact_dir / "sits-adapter.json").read_text())
+    assert manifest["quality"]["top1_agreement"] == gated.quality.top1_agreement
+
+
+def test_a_pinned_base_hash_that_differs_is_refused(fleet, tiny_model_dir, adapters, tmp_path):
+    request = _request(fleet, tiny_model_dir, adapters.peft, tmp_path / "store", "1.0.0")
+    with pytest.raises(BuildError, match=r"base_sha256 0{16}\.\.\. pins another base"):
+        build_adapter(AdapterBuildRequest(**{**request.__dict__, "base_sha256": "0" * 64}))
+
+
+# --- the device ---
+
+
+@dataclass
+class Record:
+    version: str
+    artifact_id: str
+    path: Path
+
+
+@dataclass
+class ContractStore:
+    """The device's AdapterStore as lora-contract.md 2 describes it, in a directory."""
+
+    root: Path
+    current: dict[str, Record] = field(default_factory=dict)
+    previous: dict[str, Record | None] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+    installs: list[str] = field(default_factory=list)
+
+    def record(self, name: str) -> Record | None:
+        return self.current.get(name)
+
+    def counter(self, name: str) -> int:
+        return self.counters.get(name, 0)
+
+    def install(self, name: str, src_dir: Path, artifact_id: str, version: str, counter: int) -> Record:
+        dest = self.root / "adapters" / name / artifact_id
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if not dest.exists():
+            shutil.copytree(src_dir, dest)
+        self.previous[name] = self.current.get(name)
+        self.current[name] = Record(version, artifact_id, dest)
+        self.counters[name] = max(counter, self.counter(name))
+        self.installs.append(f"{name} {version}")
+        return self.current[name]
+
+    def rollback(self, name: str) -> Record | None:
+        back = self.previous.pop(name, None)
+        if back is None:
+            self.current.pop(name, None)
+        else:
+            self.current[name] = back
+        return back
+
+
+@dataclass
+class Agent:
+    """The running agent's adapter control: which versions it was asked to load, smoke results."""
+
+    store: ContractStore
+    smoke_ok: bool = True
+    loaded: list[str] = field(default_factory=list)
+
+    def control(self) -> AdapterControl:
+        def reload(name: str) -> ControlAnswer:
+            record = self.store.record(name)
+            self.loaded.append(f"{name} {record.version if record else 'unloaded'}")
+            return ControlAnswer(True, True)
+
+        return AdapterControl(reload, lambda name: ControlAnswer(self.smoke_ok, True, "said nothing"))
+
+
+def _release(
+    fleet: Fleet,
+    build: AdapterBuild,
+    counter: int,
+    *,
+    patch_from: AdapterBuild | None = None,
+    patch: Path | None = None,
+    expires_in: timedelta = timedelta(days=30),
+    signer: int = 0,
+) -> Envelope:
+    ref = None
+    if patch_from is not None and patch is not None:
+        ref = PatchRef(
+            base_version=patch_from.version,
+            base_sha256=patch_from.artifact_id,
+            sha256=sha256_file(patch),
+            size=patch.stat().st_size,
+        )
+    body = make_adapter_release(
+        build.artifact_dir, counter=counter, expires_in=expires_in, now=NOW, patch=ref
+    )
+    return add_signature(envelope_for(body), fleet.keys[signer])
+
+
+def _write(envelope: Envelope, path: Path) -> Path:
+    path.write_bytes(envelope.to_bytes())
+    return path
+
+
+@pytest.fixture
+def device(fleet: Fleet, tmp_path: Path) -> tuple[AdapterInstaller, ContractStore, Agent]:
+    store = ContractStore(tmp_path / "device")
+    agent = Agent(store)
+    installer = AdapterInstaller(
+        store,
+        agent.control(),
+        trusted=lambda: fleet.trusted(),
+        base_artifact_id=lambda: artifact_id(fleet.v1),
+        now=lambda: NOW + timedelta(hours=1),
+    )
+    return installer, store, agent
+
+
+def test_install_then_patch_then_rollback(fleet, adapters, device, tmp_path):
+    installer, store, agent = device
+    first = installer.install(
+        _write(_release(fleet, adapters.v1, 1), tmp_path / "r1.json"), artifact=adapters.v1.artifact_dir
+    )
+    assert (first.version, first.counter) == ("1.0.0", 1)
+    patch = tmp_path / "a1-a2.patch"
+    create_patch(adapters.v1.artifact_dir, adapters.v2.artifact_dir, patch)
+    assert patch.stat().st_size < adapters.v2.artifact_bytes
+    envelope = _release(fleet, adapters.v2, 2, patch_from=adapters.v1, patch=patch)
+    second = installer.install(_write(envelope, tmp_path / "r2.json"), patch=patch)
+    assert (second.version, second.from_version, second.artifact_id) == (
+        "1.1.0",
+        "1.0.0",
+        adapters.v2.artifact_id,
+    )
+    assert tree(store.current["summarise"].path) == tree(adapters.v2.artifact_dir)
+    back = installer.rollback("summarise")
+    assert (back.version, back.counter) == ("1.0.0", 2)  # the floor stays: 1.1.0's release is spent
+    assert agent.loaded == ["summarise 1.0.0", "summarise 1.1.0", "summarise 1.0.0"]
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "message"),
+    [
+        ("replayed", ReplayError, "release counter 1 is not above the installed 1: a replayed"),
+        ("downgraded", ReplayError, "release counter 1 is not above the installed 2"),
+        ("wrong-base", BaseMismatchError, "was made for base artifact"),
+        ("expired", ExpiredError, "expired at"),
+        ("untrusted", SignatureError, "signed only by unknown key id"),
+        ("tampered-manifest", SignatureError, "does not verify"),
+        ("tampered-file", HashMismatchError, "(tampered or corrupt)"),
+        ("model-release", FormatError, "not an adapter release (kind 'sits-release')"),
+    ],
+)
+def test_bad_adapter_releases_are_refused_and_nothing_loads(
+    fleet, adapters, device, tmp_path, case, error, message
+):
+    installer, store, agent = device
+    payload = adapters.v1.artifact_dir
+    if case in ("replayed", "downgraded"):
+        installer.install(_write(_release(fleet, adapters.v1, 1), tmp_path / "r1.json"), artifact=payload)
+        if case == "downgraded":
+            installer.install(
+                _write(_release(fleet, adapters.v2, 2), tmp_path / "r2.json"),
+                artifact=adapters.v2.artifact_dir,
+            )
+        envelope = _release(fleet, adapters.v1, 1)
+    elif case == "wrong-base":
+        envelope, payload = _release(fleet, adapters.other_base, 1), adapters.other_base.artifact_dir
+    elif case == "expired":
+        envelope = _release(fleet, adapters.v1, 1, expires_in=timedelta(minutes=5))
+    elif case == "untrusted":
+        envelope = _release(fleet, adapters.v1, 1, signer=2)
+    elif case == "tampered-manifest":
+        envelope = _release(fleet, adapters.v1, 1)
+        envelope = Envelope(signed={**envelope.signed, "counter": 99}, signatures=envelope.signatures)
+    elif case == "tampered-file":
+        envelope = _release(fleet, adapters.v1, 1)
+        payload = Path(shutil.copytree(adapters.v1.artifact_dir, tmp_path / "tampered"))
+        data = bytearray((payload / "adapter.safetensors").read_bytes())
+        data[-1] ^= 0x01
+        (payload / "adapter.safetensors").write_bytes(bytes(data))
+    else:
+        envelope = fleet.release(counter=5, patch=False)
+    installs, loads = list(store.installs), list(agent.loaded)
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        installer.install(_write(envelope, tmp_path / "bad.json"), artifact=payload)
+    assert (store.installs, agent.loaded) == (installs, loads)
+    assert not list(store.root.glob("adapters/.staging*"))
+
+
+def test_a_failed_smoke_test_rolls_the_adapter_back(fleet, adapters, device, tmp_path):
+    installer, store, agent = device
+    installer.install(
+        _write(_release(fleet, adapters.v1, 1), tmp_path / "r1.json"), artifact=adapters.v1.artifact_dir
+    )
+    agent.smoke_ok = False
+    with pytest.raises(
+        AgentError, match=r"summarise 1\.1\.0: smoke prompts failed: said nothing; rolled back to 1\.0\.0"
+    ):
+        installer.install(
+            _write(_release(fleet, adapters.v2, 2), tmp_path / "r2.json"), artifact=adapters.v2.artifact_dir
+        )
+    assert store.current["summarise"].version == "1.0.0"
+    assert agent.loaded == ["summarise 1.0.0", "summarise 1.1.0", "summarise 1.0.0"]
