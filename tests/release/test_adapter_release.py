@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from deployer.agent.ota.adapter_install import AdapterControl, AdapterInstaller, ControlAnswer
+from deployer.agent.ota.adapters import AdapterStore
 from deployer.build.adapter import AdapterBuild, AdapterBuildRequest, build_adapter
 from deployer.core.adapter_release import make_adapter_release
 from deployer.core.hashing import sha256_file
@@ -108,53 +109,10 @@ def test_a_pinned_base_hash_that_differs_is_refused(fleet, tiny_model_dir, adapt
 
 
 @dataclass
-class Record:
-    version: str
-    artifact_id: str
-    path: Path
-
-
-@dataclass
-class ContractStore:
-    """The device's AdapterStore as lora-contract.md 2 describes it, in a directory."""
-
-    root: Path
-    current: dict[str, Record] = field(default_factory=dict)
-    previous: dict[str, Record | None] = field(default_factory=dict)
-    counters: dict[str, int] = field(default_factory=dict)
-    installs: list[str] = field(default_factory=list)
-
-    def record(self, name: str) -> Record | None:
-        return self.current.get(name)
-
-    def counter(self, name: str) -> int:
-        return self.counters.get(name, 0)
-
-    def install(self, name: str, src_dir: Path, artifact_id: str, version: str, counter: int) -> Record:
-        dest = self.root / "adapters" / name / artifact_id
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if not dest.exists():
-            shutil.copytree(src_dir, dest)
-        self.previous[name] = self.current.get(name)
-        self.current[name] = Record(version, artifact_id, dest)
-        self.counters[name] = max(counter, self.counter(name))
-        self.installs.append(f"{name} {version}")
-        return self.current[name]
-
-    def rollback(self, name: str) -> Record | None:
-        back = self.previous.pop(name, None)
-        if back is None:
-            self.current.pop(name, None)
-        else:
-            self.current[name] = back
-        return back
-
-
-@dataclass
 class Agent:
     """The running agent's adapter control: which versions it was asked to load, smoke results."""
 
-    store: ContractStore
+    store: AdapterStore
     smoke_ok: bool = True
     loaded: list[str] = field(default_factory=list)
 
@@ -191,14 +149,23 @@ def _release(
     return add_signature(envelope_for(body), fleet.keys[signer])
 
 
+def _states(store: AdapterStore) -> dict[str, str]:
+    """Every state.json and artifact dir under the store: what an install would change."""
+    if not store.dir.is_dir():
+        return {}
+    return {
+        str(p.relative_to(store.dir)): p.read_text() if p.is_file() else "" for p in store.dir.glob("*/*")
+    }
+
+
 def _write(envelope: Envelope, path: Path) -> Path:
     path.write_bytes(envelope.to_bytes())
     return path
 
 
 @pytest.fixture
-def device(fleet: Fleet, tmp_path: Path) -> tuple[AdapterInstaller, ContractStore, Agent]:
-    store = ContractStore(tmp_path / "device")
+def device(fleet: Fleet, tmp_path: Path) -> tuple[AdapterInstaller, AdapterStore, Agent]:
+    store = AdapterStore(tmp_path / "device")
     agent = Agent(store)
     installer = AdapterInstaller(
         store,
@@ -226,7 +193,7 @@ def test_install_then_patch_then_rollback(fleet, adapters, device, tmp_path):
         "1.0.0",
         adapters.v2.artifact_id,
     )
-    assert tree(store.current["summarise"].path) == tree(adapters.v2.artifact_dir)
+    assert tree(store.record("summarise").path) == tree(adapters.v2.artifact_dir)
     back = installer.rollback("summarise")
     assert (back.version, back.counter) == ("1.0.0", 2)  # the floor stays: 1.1.0's release is spent
     assert agent.loaded == ["summarise 1.0.0", "summarise 1.1.0", "summarise 1.0.0"]
@@ -275,11 +242,11 @@ def test_bad_adapter_releases_are_refused_and_nothing_loads(
         (payload / "adapter.safetensors").write_bytes(bytes(data))
     else:
         envelope = fleet.release(counter=5, patch=False)
-    installs, loads = list(store.installs), list(agent.loaded)
+    states, loads = _states(store), list(agent.loaded)
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         installer.install(_write(envelope, tmp_path / "bad.json"), artifact=payload)
-    assert (store.installs, agent.loaded) == (installs, loads)
-    assert not list(store.root.glob("adapters/.staging*"))
+    assert (_states(store), agent.loaded) == (states, loads)
+    assert not list(store.dir.glob(".staging*"))
 
 
 def test_a_failed_smoke_test_rolls_the_adapter_back(fleet, adapters, device, tmp_path):
@@ -294,5 +261,5 @@ def test_a_failed_smoke_test_rolls_the_adapter_back(fleet, adapters, device, tmp
         installer.install(
             _write(_release(fleet, adapters.v2, 2), tmp_path / "r2.json"), artifact=adapters.v2.artifact_dir
         )
-    assert store.current["summarise"].version == "1.0.0"
+    assert store.record("summarise").version == "1.0.0"
     assert agent.loaded == ["summarise 1.0.0", "summarise 1.1.0", "summarise 1.0.0"]

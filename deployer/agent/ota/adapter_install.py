@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
 
+from deployer.agent.ota.adapters import AdapterRecord, AdapterStore
 from deployer.agent.ota.store import DeviceStore
 from deployer.core.adapter_release import (
     AdapterRelease,
@@ -43,36 +43,10 @@ __all__ = [
     "AdapterControl",
     "AdapterInstaller",
     "AdapterOutcome",
-    "AdapterStoreView",
     "ControlAnswer",
     "device_base",
     "device_trust",
 ]
-
-
-class AdapterRecordView(Protocol):
-    """An installed adapter version, as the device store records it (lora-contract.md 2)."""
-
-    @property
-    def version(self) -> str: ...
-    @property
-    def artifact_id(self) -> str: ...
-    @property
-    def path(self) -> Path: ...
-
-
-class AdapterStoreView(Protocol):
-    """What the installer needs of the device's adapter store (`deployer.agent.ota.adapters`'s
-    AdapterStore, lora-contract.md 2): kept to these calls so verification never reaches past them."""
-
-    @property
-    def root(self) -> Path: ...
-    def record(self, name: str) -> AdapterRecordView | None: ...
-    def counter(self, name: str) -> int: ...
-    def install(
-        self, name: str, src_dir: Path, artifact_id: str, version: str, counter: int
-    ) -> AdapterRecordView: ...
-    def rollback(self, name: str) -> AdapterRecordView | None: ...
 
 
 @dataclass(frozen=True)
@@ -110,7 +84,7 @@ class AdapterInstaller:
 
     def __init__(
         self,
-        adapters: AdapterStoreView,
+        adapters: AdapterStore,
         control: AdapterControl,
         *,
         trusted: Callable[[], TrustedKeys],
@@ -167,7 +141,7 @@ class AdapterInstaller:
             envelope,
             trusted,
             now=self.now(),
-            counter_floor=self.adapters.counter(name),
+            counter_floor=self.adapters.state(name).counter,
             base_artifact_id=self.base_artifact_id(),
             installed_artifact_id=installed.artifact_id if installed is not None else None,
         )
@@ -192,7 +166,7 @@ class AdapterInstaller:
             version,
             record.artifact_id if record is not None else None,
             before.version,
-            self.adapters.counter(name),
+            self.adapters.state(name).counter,
             answer.detail,
         )
 
@@ -212,7 +186,7 @@ class AdapterInstaller:
         staging: Path,
         artifact: Path | None,
         patch: Path | None,
-        installed: AdapterRecordView | None,
+        installed: AdapterRecord | None,
     ) -> None:
         """The release's files in `staging`, every one checked; raises IntegrityError."""
         if patch is not None:
@@ -239,9 +213,8 @@ class AdapterInstaller:
             )
 
     def _staging_root(self) -> Path:
-        root = self.adapters.root / "adapters"
-        root.mkdir(parents=True, exist_ok=True)
-        return root
+        self.adapters.dir.mkdir(parents=True, exist_ok=True)
+        return self.adapters.dir
 
 
 def device_trust(device: DeviceStore, warn: Callable[[str], None]) -> Callable[[], TrustedKeys]:
