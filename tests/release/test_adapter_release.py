@@ -263,3 +263,70 @@ def test_a_failed_smoke_test_rolls_the_adapter_back(fleet, adapters, device, tmp
         )
     assert store.record("summarise").version == "1.0.0"
     assert agent.loaded == ["summarise 1.0.0", "summarise 1.1.0", "summarise 1.0.0"]
+
+
+def test_sits_agent_adapter_install_and_rollback_on_a_device(fleet, adapters, tmp_path):
+    """The device's command line: the base installed with `sits-agent install`, then the adapter
+    verified against it and installed, a replay refused, and a rollback to none; no agent is
+    listening, so each loads at the agent's next start."""
+    from click.testing import CliRunner
+    from cryptography.hazmat.primitives import serialization
+
+    from deployer.agent.cli import cli
+    from deployer.agent.ota.store import DeviceStore
+    from deployer.core.release import make_release
+
+    device = DeviceStore(tmp_path / "device")
+    device.ensure_layout()
+    (device.keys_dir / "release.pub").write_bytes(
+        fleet.keys[0]
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+
+    def run(*args: str) -> tuple[int, str, str]:
+        result = CliRunner().invoke(cli, [*args, "--root", str(device.root), "--output", "json"])
+        return result.exit_code, result.stdout, result.stderr
+
+    def signed(body, name: str) -> str:
+        return str(_write(add_signature(envelope_for(body), fleet.keys[0]), tmp_path / name))
+
+    base = signed(make_release(fleet.v1, counter=1, expires_in=timedelta(days=1)), "base.json")
+    assert run("install", "--manifest", base, "--artifact", str(fleet.v1))[0] == 0
+    adapter = signed(
+        make_adapter_release(adapters.v1.artifact_dir, counter=3, expires_in=timedelta(days=1)), "a.json"
+    )
+    code, out, err = run(
+        "adapter", "install", "--manifest", adapter, "--artifact", str(adapters.v1.artifact_dir)
+    )
+    assert code == 0, err
+    assert json.loads(out) == {
+        "name": "summarise",
+        "version": "1.0.0",
+        "artifact_id": adapters.v1.artifact_id,
+        "from_version": None,
+        "counter": 3,
+        "detail": "",
+    }
+    code, _, err = run(
+        "adapter", "install", "--manifest", adapter, "--artifact", str(adapters.v1.artifact_dir)
+    )
+    assert code == 1 and "replayed" in err and "Traceback" not in err
+    code, out, err = run("adapter", "rollback", "summarise")
+    assert code == 0, err
+    assert (json.loads(out)["version"], json.loads(out)["counter"]) == (None, 3)
+    assert AdapterStore(device.base).installed() == {}
+
+
+def test_a_first_version_that_fails_its_smoke_test_is_removed_and_its_release_spent(
+    fleet, adapters, device, tmp_path
+):
+    installer, store, agent = device
+    agent.smoke_ok = False
+    manifest = _write(_release(fleet, adapters.v1, 1), tmp_path / "r1.json")
+    with pytest.raises(AgentError, match=r"rolled back to none \(unloaded\)"):
+        installer.install(manifest, artifact=adapters.v1.artifact_dir)
+    assert (store.installed(), store.state("summarise").counter) == ({}, 1)
+    assert agent.loaded == ["summarise 1.0.0", "summarise unloaded"]
+    with pytest.raises(ReplayError):
+        installer.install(manifest, artifact=adapters.v1.artifact_dir)

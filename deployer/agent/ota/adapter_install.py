@@ -119,7 +119,7 @@ class AdapterInstaller:
         problem = self._load_and_smoke(name)
         from_version = before.version if before is not None else None
         if problem is not None:
-            self.adapters.rollback(name)
+            self._back(name)
             restored = self.control.reload(name)
             back = before.version if before is not None else "none (unloaded)"
             raise AgentError(
@@ -152,7 +152,7 @@ class AdapterInstaller:
         before = self.adapters.record(name)
         if before is None:
             raise AgentError(f"adapter {name} is not installed", hint="`sits-agent adapter list` shows them")
-        record = self.adapters.rollback(name)
+        record = self._back(name)
         answer = self.control.reload(name)
         version = record.version if record is not None else None
         if not answer.ok:
@@ -169,6 +169,14 @@ class AdapterInstaller:
             self.adapters.state(name).counter,
             answer.detail,
         )
+
+    def _back(self, name: str) -> AdapterRecord | None:
+        """The previous version made current, or, when there is none, the adapter removed (its
+        counter stays: the release rolled back from is spent)."""
+        record = self.adapters.rollback(name)
+        if record is None:
+            self.adapters.remove(name)
+        return record
 
     def _load_and_smoke(self, name: str) -> str | None:
         """None when the agent loaded the adapter and its smoke prompts passed (or no agent runs)."""
