@@ -1,6 +1,7 @@
 """Build a LoRA adapter artifact from a PEFT directory, for one base artifact (issue #41).
 
     PEFT dir ─► deployer.core.lora (fp16 factors, adapter.json, adapter.safetensors)
+             ─► adapter.gguf, when the base is a GGUF artifact (deployer.build.gguf_adapter)
              ─► quality gate: quantized base + adapter against the unquantized merged reference
              ─► sits-adapter.json (its sha256 is the artifact id) ─► .sits/store/adapters/<id>/
 
@@ -22,9 +23,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from deployer import __version__
+from deployer.build.gguf_adapter import gguf_base, write_gguf_adapter
 from deployer.build.spec import GateSpec, QualityReport
 from deployer.build.store import Store
 from deployer.core.adapter_release import AdapterManifest, hash_files, write_adapter_manifest
@@ -90,15 +92,18 @@ def build_adapter(request: AdapterBuildRequest) -> AdapterBuild:
     adapter = from_peft(
         request.peft_dir, request.name, request.version, request.base_artifact_id, request.scale
     )
-    _check_fits(adapter, base.quantization.modules, request)
+    _check_fits(adapter, request)
     store = Store(request.store_dir / ADAPTERS_DIRNAME)
     with store.staging() as staged:
         write_adapter(adapter, staged)
+        files = [ADAPTER_JSON, ADAPTER_SAFETENSORS]
+        if (base_gguf := gguf_base(request.base_artifact_dir)) is not None:
+            files.append(write_gguf_adapter(adapter, base_gguf, staged).name)
         report = _gate(adapter, request) if request.gate is not None else None
         manifest = AdapterManifest(
             adapter=ModelRef(name=request.name, version=request.version),
             base_artifact_id=request.base_artifact_id,
-            files=hash_files(staged, [ADAPTER_JSON, ADAPTER_SAFETENSORS]),
+            files=hash_files(staged, sorted(files)),
             quality=report.to_json() if report is not None else None,
             builder={"name": "sits-deployer", "version": __version__},
         )
@@ -119,20 +124,28 @@ def _commit(store: Store, staged: Path, artifact_id: str) -> Path:
     return dest
 
 
-def _check_fits(adapter: LoraAdapter, modules: Any, request: AdapterBuildRequest) -> None:
-    """Every target module is a linear of the base artifact, with the factors' features."""
+def _check_fits(adapter: LoraAdapter, request: AdapterBuildRequest) -> None:
+    """Every target module is a linear of the base (its source's 2-D weights, which also covers a
+    float base, whose manifest lists no quantized modules), with the factors' features."""
+    from deployer.build.source import open_source
+
+    linears = {
+        t.name.removesuffix(".weight"): t.entry.shape
+        for t in open_source(request.base_source_dir).tensors
+        if t.name.endswith(".weight") and len(t.entry.shape) == 2
+    }
     for module, (a, b) in adapter.tensors.items():
-        info = modules.get(module)
-        if info is None:
+        shape = linears.get(module)
+        if shape is None:
             raise BuildError(
                 f"adapter {request.name}: {request.peft_dir}: module {module} is not a linear of the "
                 f"base artifact {request.base_artifact_id[:16]}...",
                 hint="the adapter was trained on another base; `sits-deployer validate` says more",
             )
-        if (a.shape[1], b.shape[0]) != (info.in_features, info.out):
+        if (a.shape[1], b.shape[0]) != (shape[1], shape[0]):
             raise BuildError(
                 f"adapter {request.name}: {module}: factors are {a.shape[1]} -> {b.shape[0]}, the base's "
-                f"module is {info.in_features} -> {info.out}",
+                f"module is {shape[1]} -> {shape[0]}",
                 hint="the adapter was trained on a base of another shape",
             )
 
