@@ -93,7 +93,7 @@ def _plan_table(plan: Plan, cost: RolloutCost) -> Table:
     for column in ("device", "status", "from", "to", "steps", "bytes", "time", "reason"):
         table.add_column(column)
     for d in plan.devices:
-        steps = ", ".join(s.kind.value for s in d.steps) or "-"
+        base = d.steps_of()
         time = (
             "-"
             if d.seconds is None or d.rate is None
@@ -104,11 +104,23 @@ def _plan_table(plan: Plan, cost: RolloutCost) -> Table:
             d.status.value,
             d.from_version or "-",
             d.to_version,
-            steps,
-            f"{d.bytes_to_send:,}",
+            ", ".join(s.kind.value for s in base) or "-",
+            f"{sum(s.bytes for s in base):,}",
             time,
-            escape(d.reason),
+            escape(d.reason if base or not d.adapters else "adapters only"),
         )
+        for change in d.adapters:  # each adapter on a line of its own: released, rolled back alone
+            steps = d.steps_of(change.name)
+            table.add_row(
+                f"{d.device} adapter {change.name}",
+                d.status.value,
+                change.from_version or "-",
+                change.to_version,
+                ", ".join(s.kind.value for s in steps),
+                f"{sum(s.bytes for s in steps):,}",
+                "",
+                escape(steps[0].reason),
+            )
     notes = [f"total {format_bytes(cost.total_bytes)}, rollout about {format_seconds(cost.seconds)}"]
     if cost.full_downloads:
         notes.append(f"full artifact to {', '.join(cost.full_downloads)}")

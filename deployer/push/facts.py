@@ -26,7 +26,7 @@ from deployer import __version__
 from deployer.config.models import Config, Device
 from deployer.errors import RefusedError, TransportError
 from deployer.push.api_keys import API_KEYS_FILE, controller_key
-from deployer.push.plan import DeviceFacts
+from deployer.push.plan import DeviceFacts, InstalledAdapter
 from deployer.transport import Transport, run_bounded
 
 __all__ = [
@@ -171,6 +171,13 @@ if os.path.isdir(keys):
     for n in sorted(os.listdir(keys)):
         if n.endswith(".pub") or n == "threshold":
             out["hashes"]["/etc/sits/keys/" + n] = sha(os.path.join(keys, n))
+out["adapters"] = {}
+a = under("/var/lib/sits/adapters")
+for n in sorted(os.listdir(a)) if os.path.isdir(a) else []:
+    try:
+        with open(os.path.join(a, n, "state.json")) as f: st = json.load(f)
+        if st.get("current") and st.get("version"): out["adapters"][n] = [st["version"], st["current"]]
+    except (OSError, ValueError, AttributeError): pass
 d = under("/var/lib/sits") if os.path.isdir(under("/var/lib/sits")) else root
 out["free_disk"] = shutil.disk_usage(d).free
 try:
@@ -260,6 +267,7 @@ def gather_facts(site: DeviceSite, transport: Transport) -> DeviceFacts:
         ready=bool(data.get("ready")) and data.get("served") == state.get("installed_version"),
         systemd=bool(data.get("systemd")),
         stored_artifacts=_stored_artifacts(state, data.get("on_disk") or []),
+        adapters={n: InstalledAdapter(v, sha) for n, (v, sha) in (data.get("adapters") or {}).items()},
     )
 
 

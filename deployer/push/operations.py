@@ -35,6 +35,7 @@ from deployer.core.hashing import sha256_bytes
 from deployer.push.bootstrap import INCOMING, STORE_DIR, store_command
 from deployer.push.facts import DeviceSite
 from deployer.push.plan import (
+    ADAPTER_STEPS,
     GENERATED,
     RELEASE_COUNTER,
     RELEASE_MANIFEST,
@@ -119,6 +120,8 @@ class DeviceRecipe:
             return (_call("ensure-serving", f"serving {desired.version}"),)
         if kind is StepKind.HEALTH_GATE:
             return (_call("health-gate", f"ready on {desired.version}, smoke prompts within budget"),)
+        if kind in ADAPTER_STEPS:
+            return ()  # apply does not run adapter rollouts yet: it refuses a step without actions
         prefix = "pre-" if kind is StepKind.PRE_DEPLOY_HOOK else "post-"
         return tuple(self._hook(phase) for phase in sorted(desired.hooks) if phase.startswith(prefix))
 

@@ -44,11 +44,17 @@ class StepKind(enum.StrEnum):
     INSTALL = "install"
     RELOAD = "reload"
     HEALTH_GATE = "health-gate"
+    # An adapter (issue #41): its own signed release, after the base it was made for is in place.
+    SEND_ADAPTER_PATCH = "send-adapter-patch"
+    SEND_ADAPTER = "send-adapter"
+    INSTALL_ADAPTER = "install-adapter"  # verify, install, hot-load and smoke-test; rolled back alone
     POST_DEPLOY_HOOK = "post-deploy-hook"
 
 
 # The steps that carry a signed release to the device.
 SEND_STEPS = frozenset({StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT, StepKind.SEND_MANIFEST})
+# The steps of an adapter's rollout: `plan` shows them on lines of their own, one per adapter.
+ADAPTER_STEPS = frozenset({StepKind.SEND_ADAPTER_PATCH, StepKind.SEND_ADAPTER, StepKind.INSTALL_ADAPTER})
 
 
 class DeviceStatus(enum.StrEnum):
@@ -79,6 +85,27 @@ class DeviceFacts:
     ready: bool = False
     systemd: bool = False  # the agent runs under systemd (else as a background process)
     stored_artifacts: Mapping[str, str] = field(default_factory=dict)  # sha256 -> version kept on disk
+    adapters: Mapping[str, InstalledAdapter] = field(default_factory=dict)  # by name: current version
+
+
+@dataclass(frozen=True)
+class InstalledAdapter:
+    """An adapter's current version on a device (its store's adapters/<name>/state.json)."""
+
+    version: str
+    artifact_sha256: str
+
+
+@dataclass(frozen=True)
+class AdapterTarget:
+    """One adapter of deploy.yaml as built for the target base: what a device should have.
+    `patches` maps an adapter artifact sha256 to the size of the patch from it to this one."""
+
+    name: str
+    version: str
+    artifact_sha256: str
+    artifact_bytes: int
+    patches: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -103,6 +130,16 @@ class DesiredState:
     rate: float | None = None
     metered: bool = False
     allow_full_on_metered: bool = False
+    adapters: tuple[AdapterTarget, ...] = ()  # each rolled out on its own, after the base
+
+
+@dataclass(frozen=True)
+class AdapterChange:
+    """One adapter that moves on a device: `plan` shows it on a line of its own."""
+
+    name: str
+    from_version: str | None
+    to_version: str
 
 
 class ActionKind(enum.StrEnum):
@@ -162,6 +199,7 @@ class Step:
     reason: str
     bytes: int = 0
     actions: tuple[Action, ...] = ()
+    adapter: str = ""  # the adapter an adapter step rolls out ("": a step of the base or the device)
 
 
 @dataclass(frozen=True)
@@ -175,6 +213,11 @@ class DevicePlan:
     to_version: str
     steps: tuple[Step, ...] = ()
     rate: float | None = None  # the device's link cap in bytes/s (None: no cap)
+    adapters: tuple[AdapterChange, ...] = ()  # the adapters its adapter steps move
+
+    def steps_of(self, adapter: str = "") -> tuple[Step, ...]:
+        """The steps of one adapter's rollout, or ("") those of the base and the device."""
+        return tuple(s for s in self.steps if s.adapter == adapter)
 
     @property
     def bytes_to_send(self) -> int:
@@ -234,6 +277,7 @@ def facts_digest(facts: Sequence[DeviceFacts]) -> str:
             f.release_counter,
             sorted(f.unit_hashes.items()),
             sorted(f.stored_artifacts),
+            sorted((n, a.artifact_sha256) for n, a in f.adapters.items()),
         )
         for f in sorted(facts, key=lambda f: f.name)
     ]
@@ -267,9 +311,19 @@ def make_plan(
 def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None = None) -> DevicePlan:
     """The steps that take one device from its facts to the desired state."""
 
+    changes = adapter_changes(desired, facts)
+
     def verdict(status: DeviceStatus, reason: str, steps: Sequence[Step] = ()) -> DevicePlan:
+        moved = tuple(c for c, _ in changes) if steps else ()
         return DevicePlan(
-            facts.name, status, reason, facts.model_version, desired.version, tuple(steps), desired.rate
+            facts.name,
+            status,
+            reason,
+            facts.model_version,
+            desired.version,
+            tuple(steps),
+            desired.rate,
+            moved,
         )
 
     if facts.refused:
@@ -291,6 +345,7 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
     if isinstance(model_steps, str):
         return verdict(DeviceStatus.BLOCKED, model_steps)
     steps.extend(model_steps)
+    steps.extend(step for _, adapter_steps in changes for step in adapter_steps)
     if not steps:
         return verdict(DeviceStatus.UNCHANGED, "already matches")
     # The headline is what moves the model, when something does; else the first step.
@@ -307,6 +362,28 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
     if recipe is not None:
         steps = [replace(s, actions=recipe.actions(s.kind, facts, desired)) for s in steps]
     return verdict(DeviceStatus.CHANGE, reason, steps)
+
+
+def adapter_changes(desired: DesiredState, facts: DeviceFacts) -> list[tuple[AdapterChange, list[Step]]]:
+    """Each adapter whose current version on the device is not the target's, with its steps: a
+    patch from the version it has when the controller made one, else the full adapter artifact,
+    then its install (which hot-loads and smoke-tests it, and rolls it back alone on failure)."""
+    out = []
+    for target in desired.adapters:
+        have = facts.adapters.get(target.name)
+        if have is not None and have.artifact_sha256 == target.artifact_sha256:
+            continue
+        change = AdapterChange(target.name, have.version if have else None, target.version)
+        head = f"adapter {target.name} {change.from_version or 'none'} -> {target.version}"
+        if have is not None and have.artifact_sha256 in target.patches:
+            size = target.patches[have.artifact_sha256]
+            send = Step(StepKind.SEND_ADAPTER_PATCH, f"{head}: patch", size, adapter=target.name)
+        else:
+            full = f"{head}: full adapter artifact"
+            send = Step(StepKind.SEND_ADAPTER, full, target.artifact_bytes, adapter=target.name)
+        install = Step(StepKind.INSTALL_ADAPTER, f"{head}: verify, load, smoke prompts", adapter=target.name)
+        out.append((change, [send, install]))
+    return out
 
 
 def stale_files(desired: DesiredState, facts: DeviceFacts) -> list[str]:
