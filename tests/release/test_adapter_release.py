@@ -330,3 +330,53 @@ def test_a_first_version_that_fails_its_smoke_test_is_removed_and_its_release_sp
     assert agent.loaded == ["summarise 1.0.0", "summarise unloaded"]
     with pytest.raises(ReplayError):
         installer.install(manifest, artifact=adapters.v1.artifact_dir)
+
+
+def test_build_release_and_install_an_adapter_from_the_command_lines(tiny_model_dir, adapters, tmp_path):
+    """deploy.yaml's adapter built with the base by `sits-deployer build`, released by
+    `sits-deployer release` (an adapter release: the artifact holds sits-adapter.json), installed
+    by `sits-agent adapter install` on a device that runs that base."""
+    from click.testing import CliRunner
+
+    from deployer.agent.cli import cli as agent
+    from deployer.cli.main import cli as controller
+    from deployer.core.release import make_release
+    from deployer.release.sign import load_private_key
+
+    config = tmp_path / "deploy.yaml"
+    config.write_text(
+        "application: demo\nmodel:\n  name: tiny\n  version: 1.0.0\n"
+        f"  source: {tiny_model_dir}\n  adapters:\n"
+        f"    - {{name: summarise, version: 1.0.0, source: {adapters.peft}}}\n"
+        "fleet:\n  devices:\n    - {name: d1, transport: local, root: ./d1}\n"
+    )
+    runner = CliRunner()
+
+    def ok(cli, *args: str) -> dict:
+        result = runner.invoke(cli, [*args, "--output", "json"])
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    built = ok(controller, "build", "-f", str(config))
+    [adapter] = built["adapters"]
+    assert (adapter["name"], adapter["version"]) == ("summarise", "1.0.0")
+    assert adapter["bytes"] < 0.2 * sum(f.stat().st_size for f in Path(built["artifact_dir"]).iterdir())
+    keys = ok(controller, "keygen", "-o", str(tmp_path / "release"), "--unencrypted")
+    key, manifest = keys["private"], str(tmp_path / "a.json")
+    release = ok(
+        controller, "release", adapter["artifact_dir"], "--counter", "1", "--key", key, "-o", manifest
+    )
+    assert (release["adapter"], release["artifact"]) == ("summarise", adapter["artifact_id"])
+
+    device = tmp_path / "device"
+    (device / "etc" / "sits" / "keys").mkdir(parents=True)
+    shutil.copyfile(keys["public"], device / "etc" / "sits" / "keys" / "release.pub")
+    base = make_release(Path(built["artifact_dir"]), counter=1, expires_in=timedelta(days=1))
+    signed = add_signature(envelope_for(base), load_private_key(Path(key), None))
+    base_manifest = _write(signed, tmp_path / "base.json")
+    root = ["--root", str(device)]
+    ok(agent, "install", *root, "--manifest", str(base_manifest), "--artifact", built["artifact_dir"])
+    installed = ok(
+        agent, "adapter", "install", *root, "--manifest", manifest, "--artifact", adapter["artifact_dir"]
+    )
+    assert (installed["version"], installed["artifact_id"]) == ("1.0.0", adapter["artifact_id"])
