@@ -59,6 +59,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: str | None = None
     logprobs: int | None = None
+    # The key of the LoRA adapter the engine runs the request with (Engine.load_adapter); None: the base.
+    adapter: str | None = None
 
     @property
     def processed(self) -> bool:

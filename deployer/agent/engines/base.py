@@ -21,6 +21,7 @@ from deployer.agent.types import (
     TokenLogprobs,
     check_params,
 )
+from deployer.core.lora import LoraAdapter
 from deployer.errors import AgentError
 
 
@@ -235,6 +236,16 @@ class Engine(EngineText):
         scheduler can run decode steps in between, and returns what `embed` returns. AgentError
         at once when the engine has no embeddings."""
         raise AgentError(f"the {type(self).__name__} engine has no embeddings")
+
+    def load_adapter(self, key: str, adapter: LoraAdapter, directory: Path) -> None:
+        """Load a LoRA adapter (read from the artifact `directory`) under `key`, the base model
+        untouched; requests name it by `SamplingParams.adapter`. AgentError when this engine
+        serves no adapters or the adapter does not fit its model (nothing loaded)."""
+        raise AgentError(f"the {type(self).__name__} engine serves no LoRA adapters")
+
+    def unload_adapter(self, key: str) -> None:
+        """Drop the adapter loaded under `key` (no running sequence may use it; nothing when none
+        is loaded)."""
 
     @abc.abstractmethod
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[TokenEvent]:

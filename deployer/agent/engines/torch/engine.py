@@ -43,11 +43,13 @@ from deployer.agent.engines.torch.compile import (
     prepare_decode,
 )
 from deployer.agent.engines.torch.loader import LoadedModel, load_draft, load_model, read_json
+from deployer.agent.engines.torch.lora import LoraBank
 from deployer.agent.engines.torch.model import as_token_ids
 from deployer.agent.engines.torch.qlinear import KERNEL_LINEAR
 from deployer.agent.engines.torch.sampling import Sampler, choose, new_generator
 from deployer.agent.engines.torch.speculative import DRAFT_TOKENS, Drafter, accepted_run
 from deployer.agent.types import ChatMessage, EngineInfo, SamplingParams, TokenEvent, TokenLogprobs
+from deployer.core.lora import LoraAdapter
 from deployer.errors import AgentError
 
 _log = logging.getLogger("sits.agent")
@@ -72,6 +74,7 @@ class _Slot:
     last: int | None = None
     sampler: Sampler | None = None
     ahead: list[int] = field(default_factory=list)
+    adapter: str | None = None  # the adapter `held` was computed with (its K and V depend on it)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class _Attached:
     slots: list[_Slot]
     io: _Inputs
     decode: Decode
+    lora: LoraBank
     text: _Text | None = None
     drafter: Drafter | None = None
     draft_off: str = "off"
@@ -285,7 +289,8 @@ class TorchEngine(Engine):
             torch.cuda.empty_cache()  # hand back what compiling and tuning left in the cache
         slots = [_Slot() for _ in range(self._slots)]
         threads = torch.get_num_threads()
-        self._attached = _Attached(loaded, slots, io, decode, text, drafter, draft_off, threads)
+        lora = LoraBank(loaded.model, loaded.device)
+        self._attached = _Attached(loaded, slots, io, decode, lora, text, drafter, draft_off, threads)
 
     def _load_draft(self, artifact_dir: Path) -> tuple[Drafter | None, str]:
         """(the draft model of speculative decoding, None where the model cannot have one: it is
@@ -296,6 +301,18 @@ class TorchEngine(Engine):
             _log.warning("%s: no draft model: %s", artifact_dir.name, exc.message)
             return None, f"off ({exc.message})"
         return Drafter(draft), ""
+
+    def load_adapter(self, key: str, adapter: LoraAdapter, directory: Path) -> None:
+        """See Engine.load_adapter: its low-rank path beside the base layers (engines/torch/lora.py)."""
+        self._require().lora.add(key, adapter)
+
+    def unload_adapter(self, key: str) -> None:
+        """See Engine.unload_adapter. Slots whose cached prefix was computed with it forget it."""
+        attached = self._require()
+        for state in attached.slots:
+            if state.adapter == key:
+                state.held, state.adapter = [], None
+        attached.lora.remove(key)
 
     def wait_compiled(self, timeout_s: float | None = None) -> bool:
         """Wait for a compile running in the background (see `background_compile`; the draft
@@ -442,7 +459,14 @@ class TorchEngine(Engine):
         if bad := next((t for t in ids if not 0 <= t < vocabulary), None):
             # Checked here: in a batched step one bad id would fail the other requests too.
             raise AgentError(f"token id {bad} is not in the vocabulary of {vocabulary} tokens")
-        donor, start = prefix_donor(slot, ids, [s.held for s in attached.slots])
+        if params.adapter is not None:
+            attached.lora.index(params.adapter)  # loaded, or this request fails alone
+        if state.adapter != params.adapter:
+            state.held = []  # its cache holds keys and values of another adapter
+        state.adapter = params.adapter
+        # Only a slot computed with the same adapter can lend its prefix.
+        held = [s.held if s.adapter == params.adapter else [] for s in attached.slots]
+        donor, start = prefix_donor(slot, ids, held)
         if donor is not None:
             loaded.model.copy_prefix(donor, slot, start)
         # What the slot held past `start` is overwritten from here on.
@@ -457,9 +481,12 @@ class TorchEngine(Engine):
         shapes when there are no graphs (the same kernels, so the same tokens); on a CPU in one go.
         """
         loaded = attached.loaded
-        if loaded.device.type != "cuda":
+        adapter = attached.slots[slot].adapter
+        # The captured graphs run the base alone: an adapter's prompt runs eager.
+        if loaded.device.type != "cuda" or adapter is not None:
             ids = torch.tensor([prompt[start:]], dtype=torch.long, device=loaded.device)
-            return loaded.model.prefill(ids, slot, start)[0]
+            with attached.lora.one(adapter):
+                return loaded.model.prefill(ids, slot, start)[0]
         graphs = attached.decode.prefills
         io, pinned = attached.io.prefill, attached.io.prefill_host
         host, largest = pinned.numpy(), io.shape[1]
@@ -572,8 +599,17 @@ class TorchEngine(Engine):
             host[0, s], host[1, s] = state.last, len(state.held)
         io = inputs.step
         io.copy_(inputs.step_host, non_blocking=True)
+        adapters: list[str | None] = [None] * bucket
+        for s, state in live:
+            adapters[s] = state.adapter
         graph = decode.graphs.get(bucket)
-        if graph is not None:
+        if any(adapters):
+            # The graphs and the compiled step run the base alone: a step with adapter rows runs
+            # the eager layers with each row's low-rank product (engines/torch/lora.py).
+            in_use = None if cuda else max(len(state.held) for state in states) + 1
+            with attached.lora.rows(adapters):
+                logits = loaded.model.decode(io[0, :bucket], io[1, :bucket], in_use)
+        elif graph is not None:
             graph[0].replay()
             logits = graph[1]
         else:
@@ -684,6 +720,7 @@ class TorchEngine(Engine):
                 "fused_ops": decode.ops_note,
                 "prefix_tokens_reused": str(self._reused),
                 "draft": _draft_note(attached),
+                "adapters": ", ".join(attached.lora.keys) or "-",
             },
         )
 
@@ -717,6 +754,7 @@ def _speculates(attached: _Attached, state: _Slot) -> bool:
     sampler = state.sampler
     return (
         attached.drafter is not None
+        and state.adapter is None  # the draft proposes for the base alone
         and sampler is not None
         and sampler.greedy
         and sampler.processor is None
