@@ -23,12 +23,20 @@ from typing import Literal
 
 from deployer.agent.engines.base import Engine, EngineText
 from deployer.agent.notify import lifecycle_event
-from deployer.agent.runtime.scheduler import Arrivals, Scheduler, SchedulerCounts, SchedulerLimits
+from deployer.agent.runtime.adapters import AdapterSet, AdapterSource, LoadedAdapter
+from deployer.agent.runtime.scheduler import (
+    Arrivals,
+    Generation,
+    Scheduler,
+    SchedulerCounts,
+    SchedulerLimits,
+)
 from deployer.agent.runtime.served import ServedModel
 from deployer.agent.settings import AgentSettings
 from deployer.agent.types import ChatMessage, EngineInfo, SamplingParams
+from deployer.errors import AgentError
 
-__all__ = ["ModelManager", "SwapResult", "Unavailable"]
+__all__ = ["ModelManager", "SmokeFailed", "SwapResult", "Unavailable"]
 
 Policy = Literal["side-by-side", "unload-first"]
 Phase = Literal["load", "warmup", "smoke", "done"]
@@ -43,6 +51,10 @@ class Unavailable(Exception):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class SmokeFailed(Exception):
+    """An adapter's smoke prompt was too slow or did not answer as expected (the reason says)."""
 
 
 class _SwapFailed(Exception):
@@ -82,10 +94,13 @@ class ModelManager:
         on_swap: Callable[[SwapResult, str], None] | None = None,
         on_counts: Callable[[SchedulerCounts], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        adapters: AdapterSource | None = None,
     ) -> None:
         """`on_counts(counts)` receives the running and waiting requests of every loaded model
         (the serving one and one still draining) whenever they change, e.g. to set gauges. `clock`
-        times the readiness deadline and the smoke prompts (tests pass a fake one)."""
+        times the readiness deadline and the smoke prompts (tests pass a fake one). `adapters`:
+        where each loaded model finds the LoRA adapters it loads (none without)."""
+        self._adapters = adapters
         self._factory = engine_factory
         self._clock = clock
         self._settings = settings
@@ -124,6 +139,17 @@ class ModelManager:
         `active_info`."""
         served = self._active
         return served.describe() if served else None
+
+    def active_adapters(self) -> AdapterSet | None:
+        """The LoRA adapters of the serving model (None: no model serves)."""
+        served = self._active
+        return served.adapters if served else None
+
+    def reload_adapter(self, name: str) -> LoadedAdapter | None:
+        """Load the store's current version of adapter `name` on the serving model, or unload it
+        when none is installed (see AdapterSet.reload); Unavailable when no model serves."""
+        with self.lease() as served:
+            return served.adapters.reload(name)
 
     def previous_info(self) -> EngineInfo | None:
         """The description of the model that served before the last swap (no longer loaded)."""
@@ -313,9 +339,11 @@ class ModelManager:
             scheduler.run(engine.warmup)
             self._check_deadline(started, phase)
             phase = "smoke"
-            smoke_ms = self._smoke(engine, scheduler)
+            smoke_ms = self._smoke(engine, scheduler.submit)
             self._check_deadline(started, phase)
-            served = ServedModel(engine, scheduler, artifact_dir, version)
+            adapters = AdapterSet(scheduler, self._adapters, version)
+            adapters.load_installed()  # before it serves: a request may name any of them
+            served = ServedModel(engine, scheduler, artifact_dir, version, adapters)
         except Exception as exc:
             # Any failure of a new model (including a crash in foreign code) must leave the old serving.
             scheduler.close(final=lambda: _quietly_unload(engine))
@@ -344,7 +372,27 @@ class ModelManager:
                 f"not ready after {elapsed:.1f} s (readiness_timeout_s {self._settings.readiness_timeout_s})",
             )
 
-    def _smoke(self, engine: EngineText, scheduler: Scheduler) -> tuple[float, ...]:
+    def smoke_adapter(self, name: str) -> tuple[str, tuple[float, ...]]:
+        """Run the smoke prompts through the active model's adapter `name`: (its version, the
+        times in ms). AgentError when it is not loaded; SmokeFailed when a prompt fails."""
+        with self.lease() as served:
+            loaded = served.adapters.get(name)
+            if loaded is None:
+                raise AgentError(f"no adapter {name!r} is loaded", hint="sits-agent adapter list")
+
+            def submit(prompt: list[int], params: SamplingParams) -> Generation:
+                with served.adapters.use(name) as adapter:
+                    key = adapter.key if adapter is not None else loaded.key
+                    return served.scheduler.submit(prompt, dataclasses.replace(params, adapter=key))
+
+            try:
+                return loaded.version, self._smoke(served.engine, submit)
+            except _SwapFailed as failed:
+                raise SmokeFailed(failed.reason) from None
+
+    def _smoke(
+        self, engine: EngineText, submit: Callable[[list[int], SamplingParams], Generation]
+    ) -> tuple[float, ...]:
         """Answer each smoke prompt greedily within the latency budget; return the times in ms."""
         budget = self._settings.latency_budget_ms
         times = []
@@ -352,7 +400,7 @@ class ModelManager:
             t0 = self._clock()
             prompt = engine.chat_prompt([ChatMessage(role="user", content=smoke.prompt)])
             params = SamplingParams(max_tokens=smoke.max_tokens, temperature=0.0)
-            with scheduler.submit(prompt, params) as generation:
+            with submit(prompt, params) as generation:
                 text = "".join(event.text for event in generation)
             elapsed_ms = (self._clock() - t0) * 1000
             times.append(elapsed_ms)

@@ -403,6 +403,7 @@ class Scheduler:
         self._waiting: deque[_Request] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._pieces: deque[tuple[Generator[None, None, Any], Future]] = deque()
+        self._unused: list[tuple[str, Callable[[], Any]]] = []  # see run_when_unused
         self._running: dict[int, _Request] = {}
         self._steps = 0  # engine steps run so far
         # The burst that began at the last idle start: when, how many so far; and how many the one
@@ -432,6 +433,15 @@ class Scheduler:
             self._calls.append((fn, future))
             self._cond.notify()
         return future.result()
+
+    def run_when_unused(self, adapter: str, fn: Callable[[], Any]) -> None:
+        """Run `fn()` on the engine thread once no running or waiting request uses the adapter key
+        `adapter` (e.g. unloading an adapter's old version while its requests finish on it). The
+        caller makes sure no new request names it. Returns at once; a failure of `fn` is dropped
+        (what it unloads goes with the engine anyway)."""
+        with self._cond:
+            self._unused.append((adapter, fn))
+            self._cond.notify()
 
     def run_in_pieces(self, work: Generator[None, None, T]) -> Future[T]:
         """Run `work` on the engine thread a piece at a time (a piece: up to its next yield); the
@@ -549,6 +559,7 @@ class Scheduler:
                 now = time.monotonic()
                 calls = list(self._calls)
                 self._calls.clear()
+                calls += self._take_unused()
                 piece = self._next_piece()
                 expired = self._expire_waiting(now)
                 admitted = [] if self._gathering(now) else self._admit()
@@ -595,6 +606,15 @@ class Scheduler:
             if counts != self._reported:
                 self._reported = counts
                 self._on_change()
+
+    def _take_unused(self) -> list[tuple[Callable[[], Any], Future]]:
+        """The `run_when_unused` calls whose adapter no request uses any more (lock held)."""
+        if not self._unused:
+            return []
+        used = {r.params.adapter for r in (*self._waiting, *self._running.values())}
+        ready = [fn for adapter, fn in self._unused if adapter not in used]
+        self._unused = [(adapter, fn) for adapter, fn in self._unused if adapter in used]
+        return [(fn, Future()) for fn in ready]
 
     def _next_piece(self) -> tuple[Generator[None, None, Any], Future] | None:
         """The work whose turn it is for a piece, dropping work whose future was cancelled (lock held)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from deployer.agent.engines.base import Engine, EngineText
 from deployer.agent.notify import lifecycle_event
+from deployer.agent.runtime.adapters import AdapterSet
 from deployer.agent.runtime.scheduler import Scheduler
 from deployer.agent.types import EngineInfo
 from deployer.errors import AgentError
@@ -26,7 +27,16 @@ __all__ = ["ServedModel"]
 class ServedModel:
     """One loaded engine, its scheduler, and a lease count."""
 
-    def __init__(self, engine: Engine, scheduler: Scheduler, artifact_dir: Path, version: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        scheduler: Scheduler,
+        artifact_dir: Path,
+        version: str,
+        adapters: AdapterSet | None = None,
+    ) -> None:
+        """`adapters`: the LoRA adapters loaded on it (none by default)."""
+        self.adapters = adapters if adapters is not None else AdapterSet(scheduler, None, version)
         # Request threads tokenize and describe through it; what computes is the scheduler's.
         self.engine: EngineText = engine
         self.scheduler = scheduler
