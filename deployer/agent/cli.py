@@ -333,12 +333,78 @@ def gc(settings: AgentSettings, keep: int, output: str) -> None:
 
 @cli.group(
     epilog=examples(
+        "sits-agent adapter list",
+        "sits-agent adapter reload summarise",
         "sits-agent adapter install --manifest summarise-3.json --artifact ./summarise",
         "sits-agent adapter rollback summarise",
     )
 )
 def adapter() -> None:
     """LoRA adapters: installed, rolled back and (re)loaded each on its own, the base untouched."""
+
+
+@adapter.command("reload", epilog=examples("sits-agent adapter reload summarise"))
+@click.argument("name")
+@output_option
+@device_options
+def adapter_reload(settings: AgentSettings, name: str, output: str) -> None:
+    """Have the running agent load adapter NAME's current version (none installed: unload it);
+    requests already running finish on the version they started with."""
+    answer = _call(settings, "POST", "/admin/adapters/reload", {"name": name})
+    if answer is None:
+        raise AgentError(
+            f"no agent is listening on {settings.admin_socket_path}",
+            hint="start it (systemctl start sits-agent); it loads the installed adapters on start",
+        )
+    status, body = answer
+    if output == "json":
+        emit_json(body)
+    if status != 200:
+        raise AgentError(f"adapter reload refused: {_reason(body)}", hint="see the agent's journal")
+    if body["status"] == "loaded":
+        info(f"adapter {name} {body['version']} loaded")
+    else:
+        info(f"adapter {name} unloaded (none installed)")
+
+
+@adapter.command("list", epilog=examples("sits-agent adapter list", "sits-agent adapter list --output json"))
+@output_option
+@device_options
+def adapter_list(settings: AgentSettings, output: str) -> None:
+    """The installed adapters (current and previous version) and, when the agent runs, which it
+    has loaded."""
+    store = AdapterStore(DeviceStore(settings.root).base)
+    answer = _call(settings, "GET", "/v1/models")
+    served = {}
+    if answer is not None and answer[0] == 200:
+        served = {m["id"]: m for m in answer[1].get("data", ()) if m.get("kind") == "lora"}
+    rows = []
+    for name in sorted(store.installed()):
+        state = store.state(name)
+        entry = served.get(name)
+        rows.append(
+            {
+                "name": name,
+                "version": state.version,
+                "artifact_id": state.current,
+                "previous_version": state.previous_version,
+                "counter": state.counter,
+                "loaded": entry["loaded"] if entry else False,
+                "loaded_version": entry["version"] if entry else None,
+            }
+        )
+    if output == "json":
+        emit_json({"agent_running": answer is not None, "adapters": rows})
+        return
+    if answer is None:
+        info(f"no agent is listening on {settings.admin_socket_path}: nothing is loaded")
+    if not rows:
+        info("no adapters installed")
+    for row in rows:
+        loaded = f"loaded {row['loaded_version']}" if row["loaded"] else "not loaded"
+        info(
+            f"  {row['name']:<20} {row['version']:<12} previous {row['previous_version'] or '-':<12} {loaded}"
+        )
 
 
 @adapter.command(

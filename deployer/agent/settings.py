@@ -9,6 +9,7 @@ a typo must not silently fall back to a default on a device nobody is watching. 
     queue_length: 16         # waiting for a slot beyond those; more: 429 + Retry-After
     max_tokens: 512
     swap_policy: auto        # side-by-side when MemAvailable holds both models, else unload-first
+    adapter_memory_mb: 256   # LoRA adapters loaded at once; past it the least recently used unloads
     device: auto             # cuda when torch sees a CUDA device, else cpu (default: cpu)
     compile: auto            # torch engine: on compiles decode on a CPU too (minutes at first load)
     draft: off               # torch engine on a CPU: int4 drafts a lone greedy sequence's tokens
@@ -156,6 +157,12 @@ class AgentSettings(BaseModel):
     readiness_timeout_s: float = Field(default=120.0, gt=0, description="load + warm-up + smoke")
     swap_policy: Literal["side-by-side", "unload-first", "auto"] = "auto"
     drain_timeout_s: float = Field(default=60.0, gt=0, description="unload-first: wait for in-flight")
+    adapter_memory_mb: float = Field(
+        default=256.0,
+        gt=0,
+        description="LoRA adapters loaded at once hold at most this (their factors in fp32); loading "
+        "one past it unloads the least recently used",
+    )
     fallback: FallbackSettings | None = Field(
         default=None, description="an upstream model to answer when this one cannot (docs/fallback.md)"
     )

@@ -1,4 +1,5 @@
-"""The admin surface: POST /admin/reload on a unix socket that only the agent's user (and root) can
+"""The admin surface: POST /admin/reload (and /admin/adapters/reload, /admin/adapters/smoke for
+LoRA adapters) on a unix socket that only the agent's user (and root) can
 use, apart from the API port.
 
 A reload names a version already verified and recorded in the device store (or none: the store's
@@ -12,7 +13,7 @@ here too, so the device's own commands need no API key.
 from __future__ import annotations
 
 import asyncio
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
@@ -27,9 +28,13 @@ from deployer.agent.http.contract import AgentApp
 from deployer.agent.http.info import info_routes
 from deployer.agent.http.middleware import endpoint, error_response, http_error, read_json
 from deployer.agent.openai.schemas import ApiError
+from deployer.agent.runtime.hotswap import SmokeFailed, Unavailable
+from deployer.agent.serving.generate import api_error
 from deployer.errors import SitsError
 
-__all__ = ["ReloadRequest", "build_admin"]
+__all__ = ["AdapterRequest", "ReloadRequest", "build_admin"]
+
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 class ReloadRequest(BaseModel):
@@ -39,6 +44,15 @@ class ReloadRequest(BaseModel):
 
     version: str | None = Field(default=None, min_length=1, max_length=128)
     reason: Literal["reload", "update", "rollback"] = "reload"
+
+
+class AdapterRequest(BaseModel):
+    """Body of POST /admin/adapters/reload and /admin/adapters/smoke: an installed adapter's name
+    (a reload loads the store's current version of it, never a path)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class _NoBrowsers:
@@ -69,15 +83,7 @@ def build_admin(server: AgentApp) -> ASGIApp:
     """The admin app served on the unix socket."""
 
     async def reload(request: Request) -> Response:
-        data = await read_json(request, server.settings)
-        try:
-            body = ReloadRequest.model_validate(data if data is not None else {})
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-            raise ApiError(
-                400, f"invalid reload request: {where}: {first['msg']}", code="invalid_value"
-            ) from exc
+        body = await _parse(request, server, ReloadRequest)
         if body.version is not None:
             _check_verified(server, body.version)
         try:
@@ -86,11 +92,57 @@ def build_admin(server: AgentApp) -> ASGIApp:
             raise ApiError(409, exc.message, type_="reload_error", code="no_version") from exc
         return JSONResponse(result.to_dict(), 200 if result.ok else 409)
 
+    async def reload_adapter(request: Request) -> Response:
+        name = (await _parse(request, server, AdapterRequest)).name
+        try:
+            loaded = await asyncio.to_thread(server.manager.reload_adapter, name)
+        except Unavailable as exc:
+            raise api_error(exc) from exc
+        except SitsError as exc:
+            raise ApiError(409, exc.message, type_="reload_error", code="adapter_not_loaded") from exc
+        if loaded is None:
+            return JSONResponse({"name": name, "version": None, "status": "unloaded"})
+        return JSONResponse({"name": name, "version": loaded.version, "status": "loaded"})
+
+    async def smoke_adapter(request: Request) -> Response:
+        name = (await _parse(request, server, AdapterRequest)).name
+        try:
+            version, times = await asyncio.to_thread(server.manager.smoke_adapter, name)
+        except Unavailable as exc:
+            raise api_error(exc) from exc
+        except SmokeFailed as failed:
+            adapters = server.manager.active_adapters()
+            loaded = adapters.get(name) if adapters is not None else None
+            now = loaded.version if loaded is not None else None
+            return JSONResponse({"name": name, "version": now, "ok": False, "detail": str(failed)})
+        except SitsError as exc:
+            raise ApiError(404, exc.message, param="name", code="model_not_found") from exc
+        detail = "smoke prompts answered in " + ", ".join(f"{t:.0f} ms" for t in times)
+        return JSONResponse({"name": name, "version": version, "ok": True, "detail": detail})
+
     app = Starlette(
-        routes=[*info_routes(server), Route("/admin/reload", endpoint(reload), methods=["POST"])],
+        routes=[
+            *info_routes(server),
+            Route("/admin/reload", endpoint(reload), methods=["POST"]),
+            Route("/admin/adapters/reload", endpoint(reload_adapter), methods=["POST"]),
+            Route("/admin/adapters/smoke", endpoint(smoke_adapter), methods=["POST"]),
+        ],
         exception_handlers={HTTPException: http_error},
     )
     return _NoBrowsers(app)
+
+
+async def _parse(request: Request, server: AgentApp, model: type[_Body]) -> _Body:
+    """The request's JSON body as `model` (an empty body: its defaults), or ApiError 400."""
+    data = await read_json(request, server.settings)
+    try:
+        return model.model_validate(data if data is not None else {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise ApiError(
+            400, f"invalid {request.url.path} request: {where}: {first['msg']}", code="invalid_value"
+        ) from exc
 
 
 def _check_verified(server: AgentApp, version: str) -> None:

@@ -10,6 +10,7 @@ from deployer.agent.http.contract import AgentApp
 from deployer.agent.http.metrics import CONTENT_TYPE
 from deployer.agent.http.middleware import endpoint
 from deployer.agent.openai.schemas import ApiError
+from deployer.agent.runtime.adapters import LoadedAdapter
 from deployer.agent.types import EngineInfo
 
 __all__ = ["check_model", "info_routes", "model_id"]
@@ -28,17 +29,22 @@ def info_routes(server: AgentApp) -> list[Route]:
         return JSONResponse({"status": "ready", "version": info.version})
 
     async def metrics(request: Request) -> Response:
+        adapters = server.manager.active_adapters()
+        known = adapters.known() if adapters is not None else []
+        server.metrics.set_adapters([(a.name, a.version, loaded) for a, loaded in known])
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     def entries() -> list[dict]:
-        return [
+        active = server.manager.active_status()
+        listed = [
             _model_entry(info, status)
-            for info, status in (
-                (server.manager.active_status(), "active"),
-                (server.manager.previous_info(), "previous"),
-            )
+            for info, status in ((active, "active"), (server.manager.previous_info(), "previous"))
             if info is not None
         ]
+        adapters = server.manager.active_adapters()
+        if active is not None and adapters is not None:
+            listed += [_adapter_entry(a, loaded, active) for a, loaded in adapters.known()]
+        return listed
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": entries()})
@@ -83,6 +89,23 @@ def check_model(name: str, info: EngineInfo) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def _adapter_entry(adapter: LoadedAdapter, loaded: bool, base: EngineInfo) -> dict:
+    """A LoRA adapter's entry: its id is its name (what a request's `model` names), its parent the
+    base model it runs on."""
+    return {
+        "id": adapter.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "sits",
+        "status": "active",
+        "loaded": loaded,
+        "parent": model_id(base),
+        "version": adapter.version,
+        "artifact_id": adapter.artifact_id,
+        "kind": "lora",
+    }
 
 
 def _model_entry(info: EngineInfo, status: str) -> dict:

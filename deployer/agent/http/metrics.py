@@ -54,17 +54,25 @@ class AgentMetrics:
             ("reason",),
             registry=r,
         )
-        self.prompt_tokens = Counter("sits_prompt_tokens", "Prompt tokens processed.", registry=r)
-        self.generation_tokens = Counter("sits_generation_tokens", "Tokens generated.", registry=r)
+        # Per request: labelled by the LoRA adapter that answered ("" for the base model).
+        by_adapter = ("adapter",)
+        self.prompt_tokens = Counter(
+            "sits_prompt_tokens", "Prompt tokens processed, by adapter.", by_adapter, registry=r
+        )
+        self.generation_tokens = Counter(
+            "sits_generation_tokens", "Tokens generated, by adapter.", by_adapter, registry=r
+        )
         self.ttft = Histogram(
             "sits_time_to_first_token_seconds",
-            "Time from request to first token.",
+            "Time from request to first token, by adapter.",
+            by_adapter,
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "sits_e2e_request_latency_seconds",
-            "Time from request to last token.",
+            "Time from request to last token, by adapter.",
+            by_adapter,
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -72,6 +80,12 @@ class AgentMetrics:
             "sits_model_info",
             "The active model (value 1).",
             ("model", "version", "quantization", "kernel", "engine", "device"),
+            registry=r,
+        )
+        self.adapters_loaded = Gauge(
+            "sits_adapter_info",
+            "LoRA adapters known on the serving model (value 1 loaded, 0 unloaded for the memory budget).",
+            ("adapter", "version"),
             registry=r,
         )
         self.reloads = Counter(
@@ -113,6 +127,12 @@ class AgentMetrics:
             known = name in self._ignored_names
         self.ignored_fields.labels(field=name if known else "other").inc()
         return new
+
+    def set_adapters(self, adapters: list[tuple[str, str, bool]]) -> None:
+        """Set sits_adapter_info to these (name, version, loaded) adapters, and only these."""
+        self.adapters_loaded.clear()
+        for name, version, loaded in adapters:
+            self.adapters_loaded.labels(adapter=name, version=version).set(1 if loaded else 0)
 
     def render(self) -> bytes:
         """The /metrics body in the text exposition format."""

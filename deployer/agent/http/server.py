@@ -49,7 +49,9 @@ from deployer.agent.http.metrics import AgentMetrics
 from deployer.agent.http.protocol import ConnectionLimits, own_uids, protocol_class
 from deployer.agent.http.routes import build_api
 from deployer.agent.notify import Notifier, Watchdog, configure_journal_logging, lifecycle_event
+from deployer.agent.ota.adapters import AdapterStore
 from deployer.agent.ota.store import DeviceStore
+from deployer.agent.runtime.adapters import AdapterSource
 from deployer.agent.runtime.compile_cache import use_store_caches
 from deployer.agent.runtime.hotswap import ModelManager, SwapResult
 from deployer.agent.runtime.scheduler import SchedulerCounts
@@ -80,8 +82,17 @@ class AgentServer:
         self.metrics = AgentMetrics()
         self.notifier = notifier or Notifier()
         self.store = DeviceStore(settings.root)
+        adapters = AdapterSource(
+            AdapterStore(self.store.base),
+            self._base_artifact_id,
+            int(settings.adapter_memory_mb * 2**20),
+        )
         self.manager = ModelManager(
-            engine_factory, settings, on_swap=self._record_swap, on_counts=self._record_counts
+            engine_factory,
+            settings,
+            on_swap=self._record_swap,
+            on_counts=self._record_counts,
+            adapters=adapters,
         )
         self.source: TokenSource = self._token_source()
         self.keyring: KeyRing = self._read_keys()
@@ -232,6 +243,12 @@ class AgentServer:
         else:
             self.notifier.status(f"{status}; {version} refused: {result.reason}")
         return result
+
+    def _base_artifact_id(self, version: str) -> str | None:
+        """The artifact id a store version was released as (what an adapter names as its base);
+        None for a version the store has no release of."""
+        record = self.store.read_state().versions.get(version)
+        return record.release.artifact.sha256 if record is not None else None
 
     def _read_keys(self) -> KeyRing:
         return load_keyring(self.settings.api_keys_path, required=not self.settings.loopback_only)

@@ -72,6 +72,8 @@ class Run:
         self.model = self.served_by.model or model_id(first.started.info)
         self.prompt_tokens = first.started.prompt_tokens
         self.metrics = server.metrics
+        # The per-request metrics' label: the LoRA adapter that answers ("" for the base model).
+        self.adapter = first.started.adapter or ""
         self.tokens = 0
         self.finish = ["stop"] * len(jobs)
         names = None
@@ -83,7 +85,7 @@ class Run:
         self._server, self._jobs, self._started, self._gone = server, jobs, started, gone
         self._generations = [first]
         self._cancelled = False
-        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+        self.metrics.prompt_tokens.labels(adapter=self.adapter).inc(self.prompt_tokens)
 
     def usage(self) -> dict:
         """The `usage` object: the prompt once, every choice's tokens."""
@@ -104,7 +106,7 @@ class Run:
         else:
             async for index, event in self._merged():
                 yield index, self._count(index, event)
-        self.metrics.e2e.observe(time.monotonic() - self._started)
+        self.metrics.e2e.labels(adapter=self.adapter).observe(time.monotonic() - self._started)
         only = self._generations[0] if len(self._jobs) == 1 else None
         reported = only.usage() if isinstance(only, Metered) else None
         if reported is not None:  # an upstream's own count of its tokens
@@ -118,9 +120,9 @@ class Run:
     def _count(self, index: int, event: TokenEvent) -> TokenEvent:
         if event.token_id is not None:
             if self.tokens == 0:
-                self.metrics.ttft.observe(time.monotonic() - self._started)
+                self.metrics.ttft.labels(adapter=self.adapter).observe(time.monotonic() - self._started)
             self.tokens += 1
-            self.metrics.generation_tokens.inc()
+            self.metrics.generation_tokens.labels(adapter=self.adapter).inc()
         if event.finish_reason is not None:
             self.finish[index] = event.finish_reason
         return event
@@ -139,7 +141,9 @@ class Run:
                     self._generations.append(generation)
                     if self._cancelled:
                         generation.cancel()
-                    self.metrics.prompt_tokens.inc(generation.started.prompt_tokens)
+                    self.metrics.prompt_tokens.labels(adapter=self.adapter).inc(
+                        generation.started.prompt_tokens
+                    )
                 async for event in generation.events():
                     await queue.put((index, event))
                 await queue.put((index, None))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ class Started:
     info: EngineInfo
     prompt_tokens: int
     served_by: ServedBy = EDGE
+    adapter: str | None = None  # the LoRA adapter it runs with (`info` names it and its version)
 
 
 class Cancelled(Exception):
@@ -243,13 +245,22 @@ class SchedulerTokenSource:
         began = time.monotonic()
         with self._manager.lease() as served:
             prompt = _tokenize(served.engine, job)
-            params = job.plan(len(prompt), served.info)
-            generation = served.scheduler.submit(prompt, params)
+            # A `model` naming a LoRA adapter runs with it; under `use` until submitted, so that a
+            # reload of the adapter lets this request finish on the version it starts with.
+            with served.adapters.use(job.request.model) as adapter:
+                info = served.info
+                if adapter is not None:
+                    info = dataclasses.replace(info, model=adapter.name, version=adapter.version)
+                params = job.plan(len(prompt), info)
+                if adapter is not None:
+                    params = dataclasses.replace(params, adapter=adapter.key)
+                generation = served.scheduler.submit(prompt, params)
 
         def done(first: float, ended: float, tokens: int) -> None:
             self._times.add(began, first, ended, job.prompt_chars(), tokens)
 
-        return _Running(generation, Started(served.info, len(prompt)), done)
+        name = adapter.name if adapter is not None else None
+        return _Running(generation, Started(info, len(prompt), adapter=name), done)
 
 
 # Tokenizing is short but not free (a prompt of max_request_bytes takes a while): off the event loop,

@@ -143,13 +143,13 @@ def test_health_ready_and_metrics(agent, client, model_name, http, wait_until):
     assert headers["content-type"].startswith("text/plain; version=")
     samples = parse_samples(text)
     assert samples[("sits_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] == 1
-    assert samples[("sits_time_to_first_token_seconds_count", ())] == 1
-    assert samples[("sits_e2e_request_latency_seconds_count", ())] == 1
+    assert samples[("sits_time_to_first_token_seconds_count", (("adapter", ""),))] == 1
+    assert samples[("sits_e2e_request_latency_seconds_count", (("adapter", ""),))] == 1
     assert samples[("sits_reloads_total", (("result", "success"),))] == 1
     (info,) = [dict(labels) for name, labels in samples if name == "sits_model_info"]
     assert (info["version"], info["quantization"]) == ("v1", "fp32")
     assert samples[("sits_requests_running", ())] == 0
-    assert samples[("sits_generation_tokens_total", ())] >= 1
+    assert samples[("sits_generation_tokens_total", (("adapter", ""),))] >= 1
     assert samples[("process_resident_memory_bytes", ())] > 0  # process metrics come along
 
 

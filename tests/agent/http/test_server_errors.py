@@ -172,7 +172,7 @@ def test_client_leaving_mid_stream_frees_its_slot(start_agent, gated, http, chat
         ),
         "a 499 counted",
     )
-    assert agent.metrics.value("sits_generation_tokens_total") < 150
+    assert agent.metrics.value("sits_generation_tokens_total", adapter="") < 150
 
 
 def test_an_empty_completion_prompt_names_prompt(agent, http, chat_body):

@@ -189,7 +189,10 @@ class LoraBank:
         for i, adapter in enumerate(adapters):
             for module in adapter.target_modules:
                 target = self._target(module, adapter)
-                a, b = (torch.from_numpy(t).to(self._device, torch.float32) for t in adapter.tensors[module])
+                # torch.tensor copies: the factors may be a read-only view of the file.
+                a, b = (
+                    torch.tensor(t, dtype=torch.float32, device=self._device) for t in adapter.tensors[module]
+                )
                 slots = per_module.setdefault(target.module, [[] for _ in adapters])
                 slots[i].append((target, a, b * adapter.factor))
         for name in set(self._wrapped) - set(per_module):
