@@ -176,7 +176,8 @@ a = under("/var/lib/sits/adapters")
 for n in sorted(os.listdir(a)) if os.path.isdir(a) else []:
     try:
         with open(os.path.join(a, n, "state.json")) as f: st = json.load(f)
-        if st.get("current") and st.get("version"): out["adapters"][n] = [st["version"], st["current"]]
+        if st.get("current") and st.get("version"):
+            out["adapters"][n] = [st["version"], st["current"], int(st.get("counter") or 0)]
     except (OSError, ValueError, AttributeError): pass
 d = under("/var/lib/sits") if os.path.isdir(under("/var/lib/sits")) else root
 out["free_disk"] = shutil.disk_usage(d).free
@@ -267,7 +268,7 @@ def gather_facts(site: DeviceSite, transport: Transport) -> DeviceFacts:
         ready=bool(data.get("ready")) and data.get("served") == state.get("installed_version"),
         systemd=bool(data.get("systemd")),
         stored_artifacts=_stored_artifacts(state, data.get("on_disk") or []),
-        adapters={n: InstalledAdapter(v, sha) for n, (v, sha) in (data.get("adapters") or {}).items()},
+        adapters={n: InstalledAdapter(*a) for n, a in (data.get("adapters") or {}).items()},
     )
 
 

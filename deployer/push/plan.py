@@ -94,12 +94,14 @@ class InstalledAdapter:
 
     version: str
     artifact_sha256: str
+    counter: int = 0  # the highest adapter release counter it installed (its anti-rollback floor)
 
 
 @dataclass(frozen=True)
 class AdapterTarget:
     """One adapter of deploy.yaml as built for the target base: what a device should have.
-    `patches` maps an adapter artifact sha256 to the size of the patch from it to this one."""
+    `patches` maps an adapter artifact sha256 to the size of the patch from it to this one;
+    `artifact_sha256` "" means not built for this base yet."""
 
     name: str
     version: str
@@ -155,6 +157,9 @@ class ActionKind(enum.StrEnum):
 RELEASE_MANIFEST = "<signed release manifest>"
 # A PUT source: a file the controller renders from deploy.yaml; `sha256` pins its content.
 GENERATED = "<from deploy.yaml>"
+# A PUT source: the adapter release signed for this device when apply takes the lock (the adapter is
+# the name of the target's folder, see deployer.push.operations.adapter_dir).
+ADAPTER_RELEASE = "<signed adapter release>"
 # In PUT targets and RUN commands: the counter of that release (its upload folder's name).
 RELEASE_COUNTER = "<release-counter>"
 
@@ -265,6 +270,10 @@ class Recipe(Protocol):
         """The actions that run step `kind` on the device of `facts`."""
         ...
 
+    def adapter_actions(self, step: Step, facts: DeviceFacts, desired: DesiredState) -> tuple[Action, ...]:
+        """The actions of an adapter's step (its `adapter` names which)."""
+        ...
+
 
 def facts_digest(facts: Sequence[DeviceFacts]) -> str:
     """A digest of the facts a plan depends on; `apply plan.json` refuses if it changed."""
@@ -360,7 +369,15 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
     if model_steps:
         steps = _with_hooks(desired, steps)
     if recipe is not None:
-        steps = [replace(s, actions=recipe.actions(s.kind, facts, desired)) for s in steps]
+        steps = [
+            replace(
+                s,
+                actions=recipe.adapter_actions(s, facts, desired)
+                if s.adapter
+                else recipe.actions(s.kind, facts, desired),
+            )
+            for s in steps
+        ]
     return verdict(DeviceStatus.CHANGE, reason, steps)
 
 
@@ -375,6 +392,10 @@ def adapter_changes(desired: DesiredState, facts: DeviceFacts) -> list[tuple[Ada
             continue
         change = AdapterChange(target.name, have.version if have else None, target.version)
         head = f"adapter {target.name} {change.from_version or 'none'} -> {target.version}"
+        if not target.artifact_sha256:
+            why = f"{head}: not built for this base: run `sits-deployer build`"
+            out.append((change, [Step(StepKind.BUILD, why, adapter=target.name)]))
+            continue
         if have is not None and have.artifact_sha256 in target.patches:
             size = target.patches[have.artifact_sha256]
             send = Step(StepKind.SEND_ADAPTER_PATCH, f"{head}: patch", size, adapter=target.name)

@@ -14,20 +14,50 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deployer.build.adapter import AdapterBuild
+from deployer.build.adapter import ADAPTERS_DIRNAME, AdapterBuild
+from deployer.build.store import STORE_DIRNAME, Store
 from deployer.config.models import Config
-from deployer.core.adapter_release import make_adapter_release
+from deployer.core.adapter_release import ADAPTER_MANIFEST, make_adapter_release, read_adapter_manifest
 from deployer.core.fsutil import atomic_write
 from deployer.core.hashing import sha256_file
 from deployer.core.release import PatchRef
 from deployer.release.desired import Desired, Releaser
 
-__all__ = ["AdapterReleaser", "as_desired"]
+__all__ = ["AdapterReleaser", "adapter_in_store", "as_desired", "built_adapters"]
 
 
 def as_desired(build: AdapterBuild) -> Desired:
     """An adapter build as the releaser's target (version, id, directory)."""
     return Desired(build.version, build.artifact_id, build.artifact_dir)
+
+
+def _store(config: Config) -> Store:
+    return Store(config.base_dir / STORE_DIRNAME / ADAPTERS_DIRNAME)
+
+
+def adapter_in_store(config: Config, artifact_id: str) -> Desired | None:
+    """An adapter artifact this controller built, by id, or None when the store does not have it."""
+    directory = _store(config).artifact_dir(artifact_id)
+    manifest = directory / ADAPTER_MANIFEST
+    if not manifest.is_file() or sha256_file(manifest) != artifact_id:
+        return None
+    return Desired(read_adapter_manifest(directory).adapter.version, artifact_id, directory)
+
+
+def built_adapters(config: Config, base_artifact_id: str) -> dict[str, Desired | None]:
+    """deploy.yaml's model.adapters by name: the artifact built of each for this base, or None when
+    `sits-deployer build` has not built that version for it."""
+    found: dict[tuple[str, str], Desired] = {}
+    artifacts = _store(config).artifacts
+    for directory in sorted(artifacts.iterdir()) if artifacts.is_dir() else ():
+        manifest = directory / ADAPTER_MANIFEST
+        if not manifest.is_file():
+            continue
+        meta = read_adapter_manifest(directory)
+        if meta.base_artifact_id == base_artifact_id:
+            key = (meta.adapter.name, meta.adapter.version)
+            found[key] = Desired(meta.adapter.version, sha256_file(manifest), directory)
+    return {spec.name: found.get((spec.name, spec.version)) for spec in config.model.adapters}
 
 
 class AdapterReleaser(Releaser):

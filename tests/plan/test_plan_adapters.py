@@ -99,4 +99,14 @@ def test_the_facts_probe_reads_each_adapters_current_version(tmp_path):
     site = DeviceSite("d", "localhost", str(tmp_path), True, 1, sys.executable, sys.executable)
     facts = gather_facts(site, LocalTransport(tmp_path))
     assert facts.reachable, facts.error
-    assert facts.adapters == {"summarise": InstalledAdapter("1.0.0", "s1")}
+    assert facts.adapters == {"summarise": InstalledAdapter("1.0.0", "s1", counter=1)}
+
+
+def test_an_adapter_not_built_for_the_target_base_is_a_pending_build():
+    desired = replace(DESIRED, adapters=(AdapterTarget("summarise", "1.1.0", "", 0),))
+    plan = plan_device(desired, _facts(summarise=("1.0.0", "s1")))
+    [step] = plan.steps
+    assert (step.kind, step.adapter) == (K.BUILD, "summarise")
+    assert (
+        step.reason == "adapter summarise 1.0.0 -> 1.1.0: not built for this base: run `sits-deployer build`"
+    )
