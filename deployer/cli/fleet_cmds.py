@@ -436,10 +436,16 @@ def apply(
         "sits-deployer rollback -f deploy.yaml",
         "sits-deployer rollback -f deploy.yaml --to 1.0.0",
         "sits-deployer rollback -f deploy.yaml --to 1.0.0 --device edge-a",
+        "sits-deployer rollback -f deploy.yaml --adapter summarise",
     )
 )
 @_fleet_options
 @click.option("--to", "to_version", metavar="VERSION", help="Version to return to (default: the previous).")
+@click.option(
+    "--adapter",
+    metavar="NAME",
+    help="Roll back only this LoRA adapter (under the strategy), the base untouched.",
+)
 @output_option
 def rollback(
     config_path: Path,
@@ -447,24 +453,32 @@ def rollback(
     names: tuple[str, ...],
     parallel: int,
     to_version: str | None,
+    adapter: str | None,
     output: str,
 ) -> None:
     """Return devices to an earlier version, as a NEW signed release (anti-rollback stays on).
 
     A device that still has that version on disk gets only the signed manifest: a pointer switch.
+    With --adapter, only that adapter returns to an earlier version, as a new adapter release.
     """
-    from deployer.push.fleet import plan_fleet, rollback_target
+    from deployer.push.fleet import adapter_rollback_target, plan_fleet, rollback_target
+    from deployer.release.desired import built_target
 
     fleet = _fleet(config_path, selector, names, parallel, secrets=True)
     try:
-        target = rollback_target(fleet.config, to_version, fleet.facts())
-        fp = plan_fleet(fleet, target, rollback=True)
+        if adapter is None:
+            target = rollback_target(fleet.config, to_version, fleet.facts())
+            fp = plan_fleet(fleet, target, rollback=True)
+        else:
+            target = adapter_rollback_target(fleet.config, adapter, to_version, fleet.facts())
+            fp = plan_fleet(fleet, built_target(fleet.config), adapter_rollback=(adapter, target))
     except SitsError:
         fleet.close()
         raise
     if not fp.plan.has_changes:
         fleet.close()
-        info(f"every selected device already runs {target.version}")
+        what = f"adapter {adapter} " if adapter else ""
+        info(f"every selected device already runs {what}{target.version}")
         return
     _execute(fleet, fp, "rollback", output)
 

@@ -177,9 +177,17 @@ class FleetPlan:
         return self.target
 
 
-def plan_fleet(fleet: FleetSession, target: Desired | None, *, rollback: bool = False) -> FleetPlan:
+def plan_fleet(
+    fleet: FleetSession,
+    target: Desired | None,
+    *,
+    rollback: bool = False,
+    adapter_rollback: tuple[str, Desired] | None = None,
+) -> FleetPlan:
     """Facts of the fleet minus the target: the per-device plan (patches are made as needed).
-    `target` None: deploy.yaml's artifact is not built; its devices get a pending build step."""
+    `target` None: deploy.yaml's artifact is not built; its devices get a pending build step.
+    `adapter_rollback` (name, adapter artifact): only that adapter moves, to that artifact; a
+    device that would need any other step is refused (SitsError), so the base is never touched."""
     facts = fleet.facts()
     releaser = Releaser(fleet.config)
     patches: dict[str, Path] = {}
@@ -190,7 +198,11 @@ def plan_fleet(fleet: FleetSession, target: Desired | None, *, rollback: bool = 
         if base is not None and base.artifact_sha256 != target.artifact_sha256:
             patches[base.artifact_sha256] = releaser.patch(base, target)
     # A fleet rollback moves the base only: adapters roll back on their own (not from here yet).
-    adapters = built_adapters(fleet.config, target.artifact_sha256) if target and not rollback else {}
+    adapters: Mapping[str, Desired | None] = {}
+    if adapter_rollback is not None:
+        adapters = dict([adapter_rollback])
+    elif target is not None and not rollback:
+        adapters = built_adapters(fleet.config, target.artifact_sha256)
     adapter_patches: dict[tuple[str, str], Path] = {}
     for f in facts:
         for name, have in f.adapters.items():
@@ -198,7 +210,7 @@ def plan_fleet(fleet: FleetSession, target: Desired | None, *, rollback: bool = 
             if want is not None and old is not None and old.artifact_sha256 != want.artifact_sha256:
                 key = (old.artifact_sha256, want.artifact_sha256)
                 adapter_patches[key] = AdapterReleaser(fleet.config, name).patch(old, want)
-    return make_fleet_plan(
+    fp = make_fleet_plan(
         fleet.config,
         fleet.sites,
         facts,
@@ -208,6 +220,15 @@ def plan_fleet(fleet: FleetSession, target: Desired | None, *, rollback: bool = 
         adapters=adapters,
         adapter_patches=adapter_patches,
     )
+    if adapter_rollback is not None:
+        for dp in fp.plan.devices:
+            if dp.steps_of():
+                raise SitsError(
+                    f"{dp.device}: rolling adapter {adapter_rollback[0]} back would also "
+                    f"{dp.steps_of()[0].reason}",
+                    hint="apply deploy.yaml first, then roll the adapter back",
+                )
+    return fp
 
 
 def make_fleet_plan(
@@ -306,6 +327,24 @@ def rollback_target(config: Config, to: str | None, current: Sequence[DeviceFact
     raise SitsError(
         f"no released artifact of {to or 'an earlier version'} in this project's store",
         hint="rollback goes to versions this controller released; see .sits/releases/ledger.json",
+    )
+
+
+def adapter_rollback_target(
+    config: Config, name: str, to: str | None, current: Sequence[DeviceFacts]
+) -> Desired:
+    """The adapter artifact a fleet rollback of adapter `name` returns to: version `to`, or the
+    newest released version of it that no selected device has now. Raises SitsError when the
+    controller never released it or no longer has it."""
+    running = {a.artifact_sha256 for f in current if (a := f.adapters.get(name)) is not None}
+    for entry in reversed(AdapterReleaser(config, name).history()):
+        if (to is not None and entry.version == to) or (to is None and entry.artifact_sha256 not in running):
+            found = adapter_in_store(config, entry.artifact_sha256)
+            if found is not None:
+                return found
+    raise SitsError(
+        f"no released version {to or 'before the current one'} of adapter {name} in this project's store",
+        hint=f"rollback goes to versions this controller released; see .sits/releases/adapters/{name}/",
     )
 
 

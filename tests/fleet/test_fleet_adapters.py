@@ -43,7 +43,7 @@ def _apply(project: Project) -> dict:
     return json.loads(result.stdout)
 
 
-def test_an_adapter_rolls_out_then_moves_by_a_patch_and_the_base_stays(
+def test_an_adapter_rolls_out_moves_by_a_patch_and_rolls_back_and_the_base_stays(
     project: Project, tiny_model_dir: Path, tmp_path: Path
 ):
     _apply(project)  # the base first, no adapters
@@ -70,7 +70,21 @@ def test_an_adapter_rolls_out_then_moves_by_a_patch_and_the_base_stays(
     assert store.state("summarise").previous_version == "1.0.0"
     assert len(device.read_state().history) == history  # the base was never installed again
     assert not json.loads(project.run("plan", "--output", "json").stdout)["has_changes"]
+    assert _served(project) == ("1.1.0", True)  # hot-loaded by the running agent
+
+    # A fleet rollback of the adapter alone: a new adapter release (higher counter) of 1.0.0.
+    counter = store.state("summarise").counter
+    result = project.run("rollback", "--adapter", "summarise", "--output", "json")
+    assert result.exit_code == 0, result.output
+    assert store.record("summarise").version == "1.0.0"
+    assert store.state("summarise").counter > counter
+    assert _served(project) == ("1.0.0", True)
+    assert len(device.read_state().history) == history
+
+
+def _served(project: Project) -> tuple[str, bool]:
+    """The version of `summarise` the device's agent lists, and whether it is loaded."""
     port = yaml.safe_load(project.config_path.read_text())["fleet"]["devices"][0]["agent_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as answer:
         models = {m["id"]: m for m in json.load(answer)["data"]}
-    assert (models["summarise"]["version"], models["summarise"]["loaded"]) == ("1.1.0", True)  # hot-loaded
+    return models["summarise"]["version"], models["summarise"]["loaded"]
