@@ -154,6 +154,7 @@ LONG = (
     "tests/config/test_config_yaml.py::test_alias_bomb_is_refused",
     "tests/docs/test_operating.py",
     "tests/fleet/test_bootstrap.py::test_fresh_device_gets_only_the_agent_and_serves",
+    "tests/fleet/test_fleet_adapters.py",
     "tests/fleet/test_fleet_fallback.py",  # its tests build on each other: all or none
     "tests/fleet/test_fleet_local.py",  # likewise
     "tests/fleet/test_threshold_signing.py",

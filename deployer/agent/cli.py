@@ -21,6 +21,13 @@ from typing import Any, TypeVar
 import click
 
 from deployer import __version__
+from deployer.agent.ota.adapter_install import (
+    AdapterControl,
+    AdapterInstaller,
+    ControlAnswer,
+    device_base,
+    device_trust,
+)
 from deployer.agent.ota.adapters import AdapterStore
 from deployer.agent.ota.store import DeviceStore
 from deployer.agent.ota.updater import Reloader, ReloadOutcome, Updater
@@ -29,7 +36,7 @@ from deployer.core.clikit import emit_json, examples, output_option, plain_error
 from deployer.core.redact import redacting_stdio
 from deployer.errors import AgentError, SitsError
 
-__all__ = ["cli", "http_reloader", "main"]
+__all__ = ["cli", "http_adapter_control", "http_reloader", "main"]
 
 HISTORY_SHOWN = 10
 F = TypeVar("F", bound=Callable[..., Any])
@@ -328,6 +335,8 @@ def gc(settings: AgentSettings, keep: int, output: str) -> None:
     epilog=examples(
         "sits-agent adapter list",
         "sits-agent adapter reload summarise",
+        "sits-agent adapter install --manifest summarise-3.json --artifact ./summarise",
+        "sits-agent adapter rollback summarise",
     )
 )
 def adapter() -> None:
@@ -396,6 +405,85 @@ def adapter_list(settings: AgentSettings, output: str) -> None:
         info(
             f"  {row['name']:<20} {row['version']:<12} previous {row['previous_version'] or '-':<12} {loaded}"
         )
+
+
+@adapter.command(
+    "install",
+    epilog=examples(
+        "sits-agent adapter install --manifest summarise-3.json --artifact ./summarise",
+        "sits-agent adapter install --manifest summarise-4.json --patch a1-a2.patch",
+    ),
+)
+@click.option(
+    "--manifest",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    required=True,
+    help="The signed adapter release.",
+)
+@click.option(
+    "--patch",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="A delta patch from the installed version of the adapter.",
+)
+@click.option(
+    "--artifact",
+    type=click.Path(path_type=Path, file_okay=False, exists=True),
+    help="The full adapter artifact directory.",
+)
+@output_option
+@device_options
+def adapter_install(
+    settings: AgentSettings, manifest: Path, patch: Path | None, artifact: Path | None, output: str
+) -> None:
+    """Verify a signed adapter release (keys, expiry, its own counter, the base it was made for),
+    install it, have the running agent load it and run its smoke prompts; roll back on failure."""
+    if (patch is None) == (artifact is None):
+        raise click.UsageError("give --manifest and exactly one of --patch or --artifact")
+    result = _adapter_installer(settings).install(manifest, artifact=artifact, patch=patch)
+    if output == "json":
+        emit_json(asdict(result))
+    else:
+        info(f"adapter {result.name} {result.version} (counter {result.counter}), was {result.from_version}")
+
+
+@adapter.command("rollback", epilog=examples("sits-agent adapter rollback summarise"))
+@click.argument("name")
+@output_option
+@device_options
+def adapter_rollback(settings: AgentSettings, name: str, output: str) -> None:
+    """Make adapter NAME's previous version current again (none: unload it) and reload it."""
+    result = _adapter_installer(settings).rollback(name)
+    if output == "json":
+        emit_json(asdict(result))
+    else:
+        info(f"adapter {name} rolled back to {result.version or 'none'}, was {result.from_version}")
+
+
+def _adapter_installer(settings: AgentSettings) -> AdapterInstaller:
+    device = DeviceStore(settings.root)
+    return AdapterInstaller(
+        AdapterStore(device.base),
+        http_adapter_control(settings),
+        trusted=device_trust(device, warn=info),
+        base_artifact_id=device_base(device),
+    )
+
+
+def http_adapter_control(settings: AgentSettings) -> AdapterControl:
+    """The running agent's adapter endpoints on its admin socket (POST /admin/adapters/reload and
+    /admin/adapters/smoke); no agent listening counts as loaded (it loads adapters on start)."""
+
+    def ask(path: str, name: str, ok: Callable[[dict], bool]) -> ControlAnswer:
+        answer = _call(settings, "POST", path, {"name": name})
+        if answer is None:
+            return ControlAnswer(True, False, f"no agent listening on {settings.admin_socket_path}")
+        status, body = answer
+        return ControlAnswer(status == 200 and ok(body), True, _reason(body) or str(body.get("detail", "")))
+
+    return AdapterControl(
+        reload=lambda name: ask("/admin/adapters/reload", name, lambda b: "status" in b),
+        smoke=lambda name: ask("/admin/adapters/smoke", name, lambda b: b.get("ok") is True),
+    )
 
 
 @cli.command(epilog=examples("sits-agent version"))

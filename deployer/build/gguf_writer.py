@@ -182,14 +182,14 @@ def write_gguf(
 def _quantize(plan: GGUFTensorPlan, weight: torch.Tensor) -> np.ndarray:
     array = weight.float().numpy()
     if plan.permute_heads:
-        array = _permute(array, plan.permute_heads)
+        array = permute_rows(array, plan.permute_heads)
     data = gguf.quants.quantize(np.ascontiguousarray(array), gguf.GGMLQuantizationType[plan.ggml_type])
     if plan.ggml_type in ("F32", "F16"):  # quantize() returns these as floats; the file wants bytes
         data = data.view(np.uint8)
     return np.ascontiguousarray(data)
 
 
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     """HF's q/k row order -> llama.cpp's (the rotary halves interleaved per head), as convert_hf_to_gguf."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 

@@ -13,6 +13,7 @@ from deployer.cli.common import console, emit_json, examples, info, output_optio
 from deployer.errors import QualityGateError
 
 if TYPE_CHECKING:
+    from deployer.build.adapter import AdapterBuild
     from deployer.build.progress import BuildProgress
 
 PROGRESS_STEP_PCT = 10  # a plain progress line each time this much more of the source is done
@@ -94,20 +95,41 @@ def build(config_path: Path, no_cache: bool, output: str) -> None:
     The same inputs always give the same artifact id; an unchanged rebuild does no work.
     The build fails (exit 1, nothing stored) when the quality gate's limits are passed.
     """
+    from deployer.build.adapter import adapter_requests, build_adapter
     from deployer.build.pipeline import build_artifact
     from deployer.config import load_config
 
-    request = request_from_config(load_config(config_path, secrets=False), use_cache=not no_cache)
+    config = load_config(config_path, secrets=False)
+    request = request_from_config(config, use_cache=not no_cache)
     try:
         result = build_artifact(request, progress=build_progress(output))
+        # model.adapters: each built for this base artifact, its id bound to the base's.
+        adapters = [
+            build_adapter(r) for r in adapter_requests(config, result.artifact_id, result.artifact_dir)
+        ]
     except QualityGateError as exc:
         if output == "json":
             emit_json({"ok": False, "error": "quality gate failed", "quality": exc.report})
         raise
     if output == "json":
-        emit_json(result_json(result))
+        extra = {"adapters": [_adapter_json(a) for a in adapters]} if adapters else {}
+        emit_json({**result_json(result), **extra})
         return
     _print_result(request, result)
+    for a in adapters:
+        info(f"adapter {a.name} {a.version}: {a.artifact_bytes:,} bytes, artifact {a.artifact_id}")
+        info(f"  at {a.artifact_dir}")
+
+
+def _adapter_json(build: AdapterBuild) -> dict[str, Any]:
+    return {
+        "name": build.name,
+        "version": build.version,
+        "artifact_id": build.artifact_id,
+        "artifact_dir": str(build.artifact_dir),
+        "bytes": build.artifact_bytes,
+        "quality": build.quality.to_json() if build.quality is not None else None,
+    }
 
 
 def _print_result(request: BuildRequest, result: BuildResult) -> None:

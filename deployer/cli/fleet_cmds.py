@@ -95,7 +95,7 @@ def _plan_table(plan: Plan, cost: RolloutCost) -> Table:
     for column in ("device", "arch", "status", "from", "to", "steps", "bytes", "time", "reason"):
         table.add_column(column)
     for d in plan.devices:
-        steps = ", ".join(s.kind.value for s in d.steps) or "-"
+        base = d.steps_of()
         time = (
             "-"
             if d.seconds is None or d.rate is None
@@ -107,11 +107,24 @@ def _plan_table(plan: Plan, cost: RolloutCost) -> Table:
             d.status.value,
             d.from_version or "-",
             d.to_version,
-            steps,
-            f"{d.bytes_to_send:,}",
+            ", ".join(s.kind.value for s in base) or "-",
+            f"{sum(s.bytes for s in base):,}",
             time,
-            escape(d.reason),
+            escape(d.reason if base or not d.adapters else "adapters only"),
         )
+        for change in d.adapters:  # each adapter on a line of its own: released, rolled back alone
+            steps = d.steps_of(change.name)
+            table.add_row(
+                f"{d.device} adapter {change.name}",
+                d.arch or "-",
+                d.status.value,
+                change.from_version or "-",
+                change.to_version,
+                ", ".join(s.kind.value for s in steps),
+                f"{sum(s.bytes for s in steps):,}",
+                "",
+                escape(steps[0].reason),
+            )
     notes = [f"total {format_bytes(cost.total_bytes)}, rollout about {format_seconds(cost.seconds)}"]
     if cost.full_downloads:
         notes.append(f"full artifact to {', '.join(cost.full_downloads)}")
@@ -426,10 +439,16 @@ def apply(
         "sits-deployer rollback -f deploy.yaml",
         "sits-deployer rollback -f deploy.yaml --to 1.0.0",
         "sits-deployer rollback -f deploy.yaml --to 1.0.0 --device edge-a",
+        "sits-deployer rollback -f deploy.yaml --adapter summarise",
     )
 )
 @_fleet_options
 @click.option("--to", "to_version", metavar="VERSION", help="Version to return to (default: the previous).")
+@click.option(
+    "--adapter",
+    metavar="NAME",
+    help="Roll back only this LoRA adapter (under the strategy), the base untouched.",
+)
 @output_option
 def rollback(
     config_path: Path,
@@ -437,24 +456,32 @@ def rollback(
     names: tuple[str, ...],
     parallel: int,
     to_version: str | None,
+    adapter: str | None,
     output: str,
 ) -> None:
     """Return devices to an earlier version, as a NEW signed release (anti-rollback stays on).
 
     A device that still has that version on disk gets only the signed manifest: a pointer switch.
+    With --adapter, only that adapter returns to an earlier version, as a new adapter release.
     """
-    from deployer.push.fleet import plan_fleet, rollback_target
+    from deployer.push.fleet import adapter_rollback_target, plan_fleet, rollback_target
+    from deployer.release.desired import built_target
 
     fleet = _fleet(config_path, selector, names, parallel, secrets=True)
     try:
-        target = rollback_target(fleet.config, to_version, fleet.facts())
-        fp = plan_fleet(fleet, target, rollback=True)
+        if adapter is None:
+            target = rollback_target(fleet.config, to_version, fleet.facts())
+            fp = plan_fleet(fleet, target, rollback=True)
+        else:
+            target = adapter_rollback_target(fleet.config, adapter, to_version, fleet.facts())
+            fp = plan_fleet(fleet, built_target(fleet.config), adapter_rollback=(adapter, target))
     except SitsError:
         fleet.close()
         raise
     if not fp.plan.has_changes:
         fleet.close()
-        info(f"every selected device already runs {target.version}")
+        what = f"adapter {adapter} " if adapter else ""
+        info(f"every selected device already runs {what}{target.version}")
         return
     _execute(fleet, fp, "rollback", output)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from deployer.cli.common import emit_json, examples, info, output_option
+from deployer.core.adapter_release import ADAPTER_MANIFEST
 from deployer.core.fsutil import atomic_write
 from deployer.core.hashing import sha256_file
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
@@ -397,11 +398,18 @@ def release(
     passphrase_env: str,
     output: str,
 ) -> None:
-    """Make a release manifest for ARTIFACT (optionally for a patch from --base), and sign it."""
+    """Make a release manifest for ARTIFACT (optionally for a patch from --base), and sign it.
+    An adapter artifact (it holds sits-adapter.json) gets an adapter release, for `sits-agent
+    adapter install`; its counter line is its own."""
     from deployer.release.sign import envelope_for
 
     if (base is None) != (patch is None):
         raise click.UsageError("--base and --patch go together")
+    if (artifact / ADAPTER_MANIFEST).is_file():
+        _release_adapter(
+            artifact, counter, _duration(expires_in), base, patch, keys, out, passphrase_env, output
+        )
+        return
     patch_ref = None
     if base is not None and patch is not None:
         base_id = _artifact_id(base) or ""
@@ -427,5 +435,51 @@ def release(
     else:
         info(
             f"{out}: {body.model.name} {body.model.version} counter {counter}, "
+            f"expires {body.expires}, {len(envelope.signatures)} signature(s)"
+        )
+
+
+def _release_adapter(
+    artifact: Path,
+    counter: int,
+    expires_in: timedelta,
+    base: Path | None,
+    patch: Path | None,
+    keys: tuple[Path, ...],
+    out: Path,
+    passphrase_env: str,
+    output: str,
+) -> None:
+    """`release` of an adapter artifact: the same flags, an adapter release."""
+    from deployer.core.adapter_release import make_adapter_release, read_adapter_manifest
+    from deployer.release.sign import envelope_for
+
+    patch_ref = None
+    if base is not None and patch is not None:
+        patch_ref = PatchRef(
+            base_version=read_adapter_manifest(base).adapter.version,
+            base_sha256=sha256_file(base / ADAPTER_MANIFEST),
+            sha256=sha256_file(patch),
+            size=patch.stat().st_size,
+        )
+    body = make_adapter_release(artifact, counter=counter, expires_in=expires_in, patch=patch_ref)
+    envelope = _signed(envelope_for(body), keys, passphrase_env)
+    _write_envelope(envelope, out)
+    if output == "json":
+        emit_json(
+            {
+                "manifest": str(out),
+                "adapter": body.adapter.name,
+                "version": body.adapter.version,
+                "base_artifact_id": body.base_artifact_id,
+                "counter": counter,
+                "artifact": body.artifact.sha256,
+                "expires": body.expires,
+                "signatures": [s.keyid for s in envelope.signatures],
+            }
+        )
+    else:
+        info(
+            f"{out}: adapter {body.adapter.name} {body.adapter.version} counter {counter}, "
             f"expires {body.expires}, {len(envelope.signatures)} signature(s)"
         )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deployer.config import fit
+from deployer.config.adapters import adapter_findings
 from deployer.config.estimate import SMOLLM2_SHAPE, ModelShape, estimate_memory
 from deployer.config.findings import FieldPath, Finding
 from deployer.config.keyfiles import KeyProblem, private_key_problem, public_key_problem
@@ -83,6 +84,8 @@ def run_checks(given: CheckInput) -> list[Finding]:
         given.profiles, given.resources, given.positions
     )
     shape, model_findings = _model_findings(given)
+    if given.model is not None:
+        model_findings += adapter_findings(given.model, shape, given.positions, given.resolve)
     findings += model_findings + _engine_findings(given) + _agent_findings(given) + _fallback_findings(given)
     if given.fleet is not None and given.profiles is not None:
         used = {d.profile for d in given.fleet if d.profile}

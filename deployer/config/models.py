@@ -244,6 +244,23 @@ class QualityGate(_Model):
     max_mean_kl: Annotated[float, Field(ge=0)] | None = None
 
 
+class AdapterSpec(_Model):
+    """A LoRA adapter of the model, shipped and rolled out as a release of its own.
+
+    ``source`` is a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``,
+    as ``peft``'s ``save_pretrained`` writes it), relative to deploy.yaml. Clients select it by
+    ``name`` as their request's ``model``; its effective factor is ``scale * lora_alpha / r``.
+    ``base_sha256`` (optional) pins the base: the build refuses a source model whose hash (the
+    artifact manifest's ``source.sha256``) differs.
+    """
+
+    name: DnsName
+    version: Semver
+    source: FilePath
+    scale: Annotated[float, Field(gt=0, le=16)] = 1.0
+    base_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+
 class ModelSpec(_Model):
     """The model to ship: an HF-layout directory (relative to deploy.yaml) or the builtin demo."""
 
@@ -252,6 +269,7 @@ class ModelSpec(_Model):
     source: Annotated[str, Field(min_length=1)]
     quantization: Quantization = Quantization()
     quality_gate: QualityGate | None = None
+    adapters: list[AdapterSpec] = []
 
     @field_validator("source")
     @classmethod

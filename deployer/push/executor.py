@@ -35,6 +35,7 @@ from deployer.push.facts import DeviceSite
 from deployer.push.fallback_files import SECRET_FILES, put_secret
 from deployer.push.hooks import PHASES, HookContext, HookPhase, HookResult, run_phase_hook
 from deployer.push.plan import (
+    ADAPTER_RELEASE,
     GENERATED,
     RELEASE_COUNTER,
     RELEASE_MANIFEST,
@@ -209,6 +210,7 @@ class Executor:
         self.sleep = sleep
         self.agent: AgentControl = agent or RemoteAgent(config.health, sleep)
         self.hooks: HookRunner = hooks or (lambda context: run_phase_hook(config, context))
+        self.adapter_releases: Mapping[str, Mapping[str, Path]] = {}
 
     # -- the rollout -----------------------------------------------------------------------------
 
@@ -219,13 +221,16 @@ class Executor:
         releases: Mapping[str, ReleaseFiles],
         *,
         action: str = "apply",
+        adapter_releases: Mapping[str, Mapping[str, Path]] | None = None,
     ) -> RolloutReport:
         """Execute `plan` under the config's strategy. Never raises for a device's failure.
 
-        `releases` holds the signed release and payload for every device whose plan sends one.
+        `releases` holds the signed release and payload for every device whose plan sends one;
+        `adapter_releases` the signed adapter release manifest by device, then adapter name.
         Raises KeyboardInterrupt after recording (the report is attached as `exc.report`).
         """
         run = _RolloutProgress()
+        self.adapter_releases = adapter_releases or {}
         strategy = self.config.strategy
         for dp in plan.devices:
             if dp.status is not DeviceStatus.CHANGE:
@@ -372,6 +377,12 @@ class Executor:
         if act.source == RELEASE_MANIFEST:
             manifest = _need(release, site).manifest
             return transport.put(manifest, site.file(act.target), progress=progress).bytes_sent
+        if act.source == ADAPTER_RELEASE:  # uploaded to incoming/adapters/<name>/release.json
+            name = PurePosixPath(act.target).parent.name
+            signed = self.adapter_releases.get(site.name, {}).get(name)
+            if signed is None:
+                raise AgentError(f"{site.name}: no adapter release of {name} was signed for this device")
+            return transport.put(signed, site.file(act.target), progress=progress).bytes_sent
         if act.source != GENERATED:
             return transport.put(Path(act.source), site.file(act.target), progress=progress).bytes_sent
         data = desired_files(self.config, site, systemd=facts.systemd).get(act.target)

@@ -26,7 +26,7 @@ from deployer import __version__
 from deployer.config.models import Config, Device
 from deployer.errors import RefusedError, TransportError
 from deployer.push.api_keys import API_KEYS_FILE, controller_key
-from deployer.push.plan import DeviceFacts, DevicePlatform, SystemTorch
+from deployer.push.plan import DeviceFacts, DevicePlatform, InstalledAdapter, SystemTorch
 from deployer.transport import Transport, run_bounded
 
 __all__ = [
@@ -212,6 +212,14 @@ if os.path.isdir(keys):
     for n in sorted(os.listdir(keys)):
         if n.endswith(".pub") or n == "threshold":
             out["hashes"]["/etc/sits/keys/" + n] = sha(os.path.join(keys, n))
+out["adapters"] = {}
+a = under("/var/lib/sits/adapters")
+for n in sorted(os.listdir(a)) if os.path.isdir(a) else []:
+    try:
+        with open(os.path.join(a, n, "state.json")) as f: st = json.load(f)
+        if st.get("current") and st.get("version"):
+            out["adapters"][n] = [st["version"], st["current"], int(st.get("counter") or 0)]
+    except (OSError, ValueError, AttributeError): pass
 d = under("/var/lib/sits") if os.path.isdir(under("/var/lib/sits")) else root
 out["free_disk"] = shutil.disk_usage(d).free
 try:
@@ -307,6 +315,7 @@ def gather_facts(site: DeviceSite, transport: Transport) -> DeviceFacts:
         platform=_platform(data.get("platform")),
         wheels_arch=data.get("wheels_arch"),
         torch=_system_torch(data.get("torch")),
+        adapters={n: InstalledAdapter(*a) for n, a in (data.get("adapters") or {}).items()},
     )
 
 

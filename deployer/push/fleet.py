@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from deployer.push.health import scrape_metrics
 from deployer.push.operations import DeviceRecipe
 from deployer.push.plan import (
     SEND_STEPS,
+    AdapterTarget,
     DesiredState,
     DeviceFacts,
     DeviceStatus,
@@ -49,6 +50,7 @@ from deployer.push.plan import (
 from deployer.push.rollout import OfflineDecision, decide_offline
 from deployer.push.state import FleetLock, append_audit, read_audit
 from deployer.push.wheelhouse import CrossBuildPending
+from deployer.release.adapters import AdapterReleaser, adapter_in_store, built_adapters
 from deployer.release.desired import SITS_DIRNAME, Desired, ReleaseFiles, Releaser, artifact_in_store
 from deployer.transport import LocalTransport, Transport, run_bounded
 
@@ -173,6 +175,7 @@ class FleetPlan:
     plan: Plan
     facts: tuple[DeviceFacts, ...]
     target: Desired | None
+    adapters: Mapping[str, Desired | None] = field(default_factory=dict)  # as built for the target
 
     def built_target(self) -> Desired:
         """The target; raises SitsError when it is not built (such a plan is only shown)."""
@@ -191,6 +194,7 @@ def plan_fleet(
     rollback: bool = False,
     project_dir: Path | None = None,
     cross_build: bool = False,
+    adapter_rollback: tuple[str, Desired] | None = None,
 ) -> FleetPlan:
     """Facts of the fleet minus the target: the per-device plan (patches are made as needed).
     `target` None: deploy.yaml's artifact is not built; its devices get a pending build step.
@@ -198,7 +202,9 @@ def plan_fleet(
     due a bootstrap lacks are gathered for its platform and named in the plan, so a platform no
     wheel can be had for fails here, before anything is sent; `cross_build` (apply) cross-compiles
     a source-only one, where a plan only names it (deployer.push.wheelhouse).
-    Raises SitsError for such a platform."""
+    `adapter_rollback` (name, adapter artifact): only that adapter moves, to that artifact; a
+    device that would need any other step is refused (SitsError), so the base is never touched.
+    Raises SitsError for a platform no wheel can be had for."""
     facts = fleet.facts()
     wheels = _missing_wheels(fleet, facts, project_dir, cross_build=cross_build) if project_dir else {}
     releaser = Releaser(fleet.config)
@@ -209,9 +215,39 @@ def plan_fleet(
         base = artifact_in_store(fleet.config, f.model_sha256) if f.model_sha256 else None
         if base is not None and base.artifact_sha256 != target.artifact_sha256:
             patches[base.artifact_sha256] = releaser.patch(base, target)
-    return make_fleet_plan(
-        fleet.config, fleet.sites, facts, target, patches, rollback=rollback, wheels=wheels
+    # A fleet rollback moves the base only: adapters roll back on their own (not from here yet).
+    adapters: Mapping[str, Desired | None] = {}
+    if adapter_rollback is not None:
+        adapters = dict([adapter_rollback])
+    elif target is not None and not rollback:
+        adapters = built_adapters(fleet.config, target.artifact_sha256)
+    adapter_patches: dict[tuple[str, str], Path] = {}
+    for f in facts:
+        for name, have in f.adapters.items():
+            want, old = adapters.get(name), adapter_in_store(fleet.config, have.artifact_sha256)
+            if want is not None and old is not None and old.artifact_sha256 != want.artifact_sha256:
+                key = (old.artifact_sha256, want.artifact_sha256)
+                adapter_patches[key] = AdapterReleaser(fleet.config, name).patch(old, want)
+    fp = make_fleet_plan(
+        fleet.config,
+        fleet.sites,
+        facts,
+        target,
+        patches,
+        rollback=rollback,
+        wheels=wheels,
+        adapters=adapters,
+        adapter_patches=adapter_patches,
     )
+    if adapter_rollback is not None:
+        for dp in fp.plan.devices:
+            if dp.steps_of():
+                raise SitsError(
+                    f"{dp.device}: rolling adapter {adapter_rollback[0]} back would also "
+                    f"{dp.steps_of()[0].reason}",
+                    hint="apply deploy.yaml first, then roll the adapter back",
+                )
+    return fp
 
 
 def _missing_wheels(
@@ -252,12 +288,17 @@ def make_fleet_plan(
     *,
     rollback: bool = False,
     wheels: Mapping[str, tuple[tuple[str, ...], int]] | None = None,
+    adapters: Mapping[str, Desired | None] | None = None,
+    adapter_patches: Mapping[tuple[str, str], Path] | None = None,
 ) -> FleetPlan:
     """The plan for these facts: per device the files deploy.yaml renders for it and the patch
     from its base (`patches`: base artifact sha256 -> patch file), then plan.make_plan.
     `target` None: deploy.yaml's artifact, not built yet. `wheels`: device -> the agent's wheels
-    it lacks (names, total bytes), for its bootstrap step."""
+    it lacks (names, total bytes), for its bootstrap step. `adapters`: deploy.yaml's adapters as
+    built for the target (None: not built), `adapter_patches` by (from id, to id)."""
     wheels = wheels or {}
+    adapters, adapter_patches = adapters or {}, adapter_patches or {}
+    adapter_targets = _adapter_targets(config, adapters, adapter_patches)
     files = {f.name: desired_files(config, sites[f.name], systemd=f.systemd) for f in facts}
     sizes = {base: path.stat().st_size for base, path in patches.items()}
     hooks = _configured_hooks(config, rollback=rollback)
@@ -282,6 +323,7 @@ def make_fleet_plan(
             cuda=config.agent.device == "cuda" and config.agent.engine == "torch",
             wheels=wheels.get(f.name, ((), 0))[0],
             wheel_bytes=wheels.get(f.name, ((), 0))[1],
+            adapters=adapter_targets,
         )
         for f in facts
     }
@@ -290,13 +332,35 @@ def make_fleet_plan(
         sites=sites,
         files=files,
         patches=patches,
-        artifact_files=tuple(
-            (p, p.stat().st_size) for p in sorted(target.artifact_dir.iterdir()) if p.is_file()
-        )
-        if target
-        else (),
+        artifact_files=_files(target.artifact_dir) if target else (),
+        adapter_files={a.artifact_sha256: _files(a.artifact_dir) for a in adapters.values() if a is not None},
+        adapter_patches=adapter_patches,
     )
-    return FleetPlan(make_plan(desired, facts, recipe), tuple(facts), target)
+    return FleetPlan(make_plan(desired, facts, recipe), tuple(facts), target, adapters)
+
+
+def _adapter_targets(
+    config: Config, adapters: Mapping[str, Desired | None], patches: Mapping[tuple[str, str], Path]
+) -> tuple[AdapterTarget, ...]:
+    """deploy.yaml's adapters as the planner wants them (artifact id "": not built for the target)."""
+    out = []
+    for spec in config.model.adapters:
+        if spec.name not in adapters:
+            continue
+        built = adapters[spec.name]
+        if built is None:
+            out.append(AdapterTarget(spec.name, spec.version, "", 0))
+            continue
+        sizes = {a: p.stat().st_size for (a, b), p in patches.items() if b == built.artifact_sha256}
+        out.append(
+            AdapterTarget(spec.name, built.version, built.artifact_sha256, built.artifact_bytes, sizes)
+        )
+    return tuple(out)
+
+
+def _files(directory: Path) -> tuple[tuple[Path, int], ...]:
+    """An artifact's files and sizes, in upload order."""
+    return tuple((p, p.stat().st_size) for p in sorted(directory.iterdir()) if p.is_file())
 
 
 def _configured_hooks(config: Config, *, rollback: bool) -> frozenset[str]:
@@ -321,6 +385,24 @@ def rollback_target(config: Config, to: str | None, current: Sequence[DeviceFact
     )
 
 
+def adapter_rollback_target(
+    config: Config, name: str, to: str | None, current: Sequence[DeviceFacts]
+) -> Desired:
+    """The adapter artifact a fleet rollback of adapter `name` returns to: version `to`, or the
+    newest released version of it that no selected device has now. Raises SitsError when the
+    controller never released it or no longer has it."""
+    running = {a.artifact_sha256 for f in current if (a := f.adapters.get(name)) is not None}
+    for entry in reversed(AdapterReleaser(config, name).history()):
+        if (to is not None and entry.version == to) or (to is None and entry.artifact_sha256 not in running):
+            found = adapter_in_store(config, entry.artifact_sha256)
+            if found is not None:
+                return found
+    raise SitsError(
+        f"no released version {to or 'before the current one'} of adapter {name} in this project's store",
+        hint=f"rollback goes to versions this controller released; see .sits/releases/adapters/{name}/",
+    )
+
+
 def prepare_releases(fleet: FleetSession, fp: FleetPlan) -> dict[str, ReleaseFiles]:
     """Sign (or reuse) the release each changing device needs; counters above every device's."""
     releaser, target = Releaser(fleet.config), fp.built_target()
@@ -336,6 +418,29 @@ def prepare_releases(fleet: FleetSession, fp: FleetPlan) -> dict[str, ReleaseFil
             out[dp.device] = releaser.release(target, None, floor=floor)
     for manifest in sorted({r.manifest for r in out.values()}):
         _check_signed_enough(fleet.config, manifest)
+    return out
+
+
+def prepare_adapter_releases(fleet: FleetSession, fp: FleetPlan) -> dict[str, dict[str, Path]]:
+    """Sign (or reuse) the adapter release each changing device needs, by device then adapter: a
+    counter line per adapter, above the counter the device reported for it."""
+    facts = {f.name: f for f in fp.facts}
+    out: dict[str, dict[str, Path]] = {}
+    for dp in fp.plan.devices:
+        for change in dp.adapters:
+            steps = dp.steps_of(change.name)
+            if not any(s.kind in (StepKind.SEND_ADAPTER, StepKind.SEND_ADAPTER_PATCH) for s in steps):
+                continue
+            want = fp.adapters.get(change.name)
+            have = facts[dp.device].adapters.get(change.name)
+            base = None
+            if have is not None and any(s.kind is StepKind.SEND_ADAPTER_PATCH for s in steps):
+                base = adapter_in_store(fleet.config, have.artifact_sha256)
+            assert want is not None  # the plan sends only adapters built in the store
+            floor = have.counter if have is not None else 0
+            released = AdapterReleaser(fleet.config, change.name).release(want, base, floor=floor)
+            _check_signed_enough(fleet.config, released.manifest)
+            out.setdefault(dp.device, {})[change.name] = released.manifest
     return out
 
 
@@ -390,6 +495,7 @@ def apply_plan(
         if refusal is not None:
             raise refusal
         signed = releases(fleet, fp)
+        adapter_releases = prepare_adapter_releases(fleet, fp)
         wheel: Callable[[], Path] | None = None
         if project_dir is not None and (project_dir / AGENT_PROJECT / "pyproject.toml").is_file():
 
@@ -411,7 +517,8 @@ def apply_plan(
             "plan_digest": fp.plan.facts_digest,
         }
         try:
-            report = runner.run(fp.plan, {f.name: f for f in fp.facts}, signed, action=action)
+            by_name = {f.name: f for f in fp.facts}
+            report = runner.run(fp.plan, by_name, signed, action=action, adapter_releases=adapter_releases)
         except KeyboardInterrupt as exc:
             append_audit(fleet.sits_dir, {**record, **exc.report.to_dict()})  # type: ignore[attr-defined]
             raise

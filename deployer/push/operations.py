@@ -10,6 +10,9 @@ each base, the artifact's files) is gathered by `deployer.push.fleet` before pla
     send-patch      put the signed release manifest and the patch into incoming/<counter>/
     send-artifact   put the manifest and every artifact file
     send-manifest   put the manifest only: the device keeps the artifact (a pointer switch)
+    send-adapter(-patch)  put an adapter's signed release and its artifact (or patch) into
+                    incoming/adapters/<name>/
+    install-adapter run `sits-agent adapter install` (verify, hot-load, smoke, roll back alone)
     install         run `sits-agent install` (as the service user where the units are installed)
                     with the patch, the uploaded artifact, or the version the device keeps
     reload          call ensure-serving: start the agent, or have it reload onto the new version
@@ -27,7 +30,7 @@ from __future__ import annotations
 import posixpath
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from deployer.config.models import Config
@@ -35,6 +38,7 @@ from deployer.core.hashing import sha256_bytes
 from deployer.push.bootstrap import INCOMING, STORE_DIR, store_command
 from deployer.push.facts import DeviceSite
 from deployer.push.plan import (
+    ADAPTER_RELEASE,
     GENERATED,
     RELEASE_COUNTER,
     RELEASE_MANIFEST,
@@ -42,12 +46,13 @@ from deployer.push.plan import (
     ActionKind,
     DesiredState,
     DeviceFacts,
+    Step,
     StepKind,
     send_kind,
     stale_files,
 )
 
-__all__ = ["CALLS", "DeviceRecipe", "release_dir"]
+__all__ = ["CALLS", "DeviceRecipe", "adapter_dir", "release_dir"]
 
 # The executor's named operations, and what each does.
 CALLS = {
@@ -63,6 +68,11 @@ DAEMON_RELOAD_TIMEOUT_S = 60.0
 REMOVE_TIMEOUT_S = 30.0
 
 
+def adapter_dir(name: str) -> str:
+    """The device folder an adapter's release and payload are uploaded to."""
+    return f"{INCOMING}/adapters/{name}"
+
+
 def release_dir() -> str:
     """The device folder a release is uploaded to (named by its counter, filled in at apply)."""
     return f"{INCOMING}/{RELEASE_COUNTER}"
@@ -75,7 +85,8 @@ class DeviceRecipe:
     `files` holds, per device, the content of every file the controller manages there;
     `patches` the controller path of the patch from each base artifact sha256 to the target;
     `artifact_files` the target artifact's files (controller path, size), in upload order (none
-    while it is not built: no step sends them then).
+    while it is not built: no step sends them then). For adapters: `adapter_files` the files of
+    each target adapter artifact by its id, `adapter_patches` the patch by (from id, to id).
     """
 
     config: Config
@@ -83,6 +94,51 @@ class DeviceRecipe:
     files: Mapping[str, Mapping[str, bytes]]
     patches: Mapping[str, Path]
     artifact_files: tuple[tuple[Path, int], ...]
+    adapter_files: Mapping[str, tuple[tuple[Path, int], ...]] = field(default_factory=dict)
+    adapter_patches: Mapping[tuple[str, str], Path] = field(default_factory=dict)
+
+    def adapter_actions(self, step: Step, facts: DeviceFacts, desired: DesiredState) -> tuple[Action, ...]:
+        """An adapter's steps: its signed release and payload into incoming/adapters/<name>/ (emptied
+        first, so no file of an earlier upload stays), then `sits-agent adapter install`, which
+        verifies, hot-loads and smoke-tests it and rolls it back alone when that fails."""
+        if step.kind is StepKind.BUILD:
+            return ()
+        site = self.sites[facts.name]
+        target = next(t for t in desired.adapters if t.name == step.adapter)
+        folder = adapter_dir(step.adapter)
+        have = facts.adapters.get(step.adapter)
+        patch = self.adapter_patches.get((have.artifact_sha256, target.artifact_sha256)) if have else None
+        if step.kind is StepKind.INSTALL_ADAPTER:
+            payload = ("--patch", f"{folder}/update.patch") if patch else ("--artifact", f"{folder}/artifact")
+            argv = site.agent(
+                "adapter",
+                "install",
+                "--manifest",
+                site.path(f"{folder}/release.json"),
+                payload[0],
+                site.path(payload[1]),
+            )
+            what = f"{site.name}: sits-agent adapter install {target.name} {target.version}"
+            return (
+                Action(ActionKind.RUN, store_command(site, argv), timeout_s=INSTALL_TIMEOUT_S, what=what),
+            )
+        clear = Action(
+            ActionKind.RUN,
+            shlex.join(["rm", "-rf", site.path(folder)]),
+            timeout_s=REMOVE_TIMEOUT_S,
+            what=f"{site.name}: emptying {folder}",
+        )
+        manifest = Action(ActionKind.PUT, f"{folder}/release.json", ADAPTER_RELEASE)
+        if step.kind is StepKind.SEND_ADAPTER_PATCH:
+            assert patch is not None  # the planner sends a patch only when the controller has one
+            size = patch.stat().st_size
+            return (clear, manifest, Action(ActionKind.PUT, f"{folder}/update.patch", str(patch), bytes=size))
+        files = self.adapter_files[target.artifact_sha256]
+        return (
+            clear,
+            manifest,
+            *(Action(ActionKind.PUT, f"{folder}/artifact/{p.name}", str(p), bytes=n) for p, n in files),
+        )
 
     def actions(self, kind: StepKind, facts: DeviceFacts, desired: DesiredState) -> tuple[Action, ...]:
         """The actions of step `kind` on the device of `facts` (see deployer.push.plan.Recipe)."""

@@ -45,11 +45,17 @@ class StepKind(enum.StrEnum):
     INSTALL = "install"
     RELOAD = "reload"
     HEALTH_GATE = "health-gate"
+    # An adapter (issue #41): its own signed release, after the base it was made for is in place.
+    SEND_ADAPTER_PATCH = "send-adapter-patch"
+    SEND_ADAPTER = "send-adapter"
+    INSTALL_ADAPTER = "install-adapter"  # verify, install, hot-load and smoke-test; rolled back alone
     POST_DEPLOY_HOOK = "post-deploy-hook"
 
 
 # The steps that carry a signed release to the device.
 SEND_STEPS = frozenset({StepKind.SEND_PATCH, StepKind.SEND_ARTIFACT, StepKind.SEND_MANIFEST})
+# The steps of an adapter's rollout: `plan` shows them on lines of their own, one per adapter.
+ADAPTER_STEPS = frozenset({StepKind.SEND_ADAPTER_PATCH, StepKind.SEND_ADAPTER, StepKind.INSTALL_ADAPTER})
 
 
 class DeviceStatus(enum.StrEnum):
@@ -106,11 +112,34 @@ class DeviceFacts:
     # that differs from `arch` means the device was re-imaged, and the agent must be installed anew.
     wheels_arch: str | None = None
     torch: SystemTorch | None = None  # only for a `torch: system` device
+    adapters: Mapping[str, InstalledAdapter] = field(default_factory=dict)  # by name: current version
 
     @property
     def arch(self) -> str | None:
         """The device's CPU architecture, as platform.machine() names it ("x86_64", "aarch64")."""
         return self.platform.machine if self.platform is not None else None
+
+
+@dataclass(frozen=True)
+class InstalledAdapter:
+    """An adapter's current version on a device (its store's adapters/<name>/state.json)."""
+
+    version: str
+    artifact_sha256: str
+    counter: int = 0  # the highest adapter release counter it installed (its anti-rollback floor)
+
+
+@dataclass(frozen=True)
+class AdapterTarget:
+    """One adapter of deploy.yaml as built for the target base: what a device should have.
+    `patches` maps an adapter artifact sha256 to the size of the patch from it to this one;
+    `artifact_sha256` "" means not built for this base yet."""
+
+    name: str
+    version: str
+    artifact_sha256: str
+    artifact_bytes: int
+    patches: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -143,6 +172,16 @@ class DesiredState:
     # due (deployer.push.wheelhouse; empty when the controller did not resolve them).
     wheels: tuple[str, ...] = ()
     wheel_bytes: int = 0
+    adapters: tuple[AdapterTarget, ...] = ()  # each rolled out on its own, after the base
+
+
+@dataclass(frozen=True)
+class AdapterChange:
+    """One adapter that moves on a device: `plan` shows it on a line of its own."""
+
+    name: str
+    from_version: str | None
+    to_version: str
 
 
 class ActionKind(enum.StrEnum):
@@ -158,6 +197,9 @@ class ActionKind(enum.StrEnum):
 RELEASE_MANIFEST = "<signed release manifest>"
 # A PUT source: a file the controller renders from deploy.yaml; `sha256` pins its content.
 GENERATED = "<from deploy.yaml>"
+# A PUT source: the adapter release signed for this device when apply takes the lock (the adapter is
+# the name of the target's folder, see deployer.push.operations.adapter_dir).
+ADAPTER_RELEASE = "<signed adapter release>"
 # In PUT targets and RUN commands: the counter of that release (its upload folder's name).
 RELEASE_COUNTER = "<release-counter>"
 
@@ -202,6 +244,7 @@ class Step:
     reason: str
     bytes: int = 0
     actions: tuple[Action, ...] = ()
+    adapter: str = ""  # the adapter an adapter step rolls out ("": a step of the base or the device)
 
 
 @dataclass(frozen=True)
@@ -217,6 +260,11 @@ class DevicePlan:
     rate: float | None = None  # the device's link cap in bytes/s (None: no cap)
     arch: str | None = None  # the device's CPU architecture (None: not reachable)
     wheels: tuple[str, ...] = ()  # the agent's wheels it will receive (bootstrap), by file name
+    adapters: tuple[AdapterChange, ...] = ()  # the adapters its adapter steps move
+
+    def steps_of(self, adapter: str = "") -> tuple[Step, ...]:
+        """The steps of one adapter's rollout, or ("") those of the base and the device."""
+        return tuple(s for s in self.steps if s.adapter == adapter)
 
     @property
     def bytes_to_send(self) -> int:
@@ -264,6 +312,10 @@ class Recipe(Protocol):
         """The actions that run step `kind` on the device of `facts`."""
         ...
 
+    def adapter_actions(self, step: Step, facts: DeviceFacts, desired: DesiredState) -> tuple[Action, ...]:
+        """The actions of an adapter's step (its `adapter` names which)."""
+        ...
+
 
 def facts_digest(facts: Sequence[DeviceFacts]) -> str:
     """A digest of the facts a plan depends on; `apply plan.json` refuses if it changed."""
@@ -277,6 +329,7 @@ def facts_digest(facts: Sequence[DeviceFacts]) -> str:
             f.arch,
             sorted(f.unit_hashes.items()),
             sorted(f.stored_artifacts),
+            sorted((n, a.artifact_sha256) for n, a in f.adapters.items()),
         )
         for f in sorted(facts, key=lambda f: f.name)
     ]
@@ -310,7 +363,10 @@ def make_plan(
 def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None = None) -> DevicePlan:
     """The steps that take one device from its facts to the desired state."""
 
+    changes = adapter_changes(desired, facts)
+
     def verdict(status: DeviceStatus, reason: str, steps: Sequence[Step] = ()) -> DevicePlan:
+        moved = tuple(c for c, _ in changes) if steps else ()
         return DevicePlan(
             facts.name,
             status,
@@ -321,6 +377,7 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
             desired.rate,
             facts.arch,
             desired.wheels if any(s.kind is StepKind.BOOTSTRAP for s in steps) else (),
+            moved,
         )
 
     if facts.refused:
@@ -345,6 +402,7 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
     if isinstance(model_steps, str):
         return verdict(DeviceStatus.BLOCKED, model_steps)
     steps.extend(model_steps)
+    steps.extend(step for _, adapter_steps in changes for step in adapter_steps)
     if not steps:
         return verdict(DeviceStatus.UNCHANGED, "already matches")
     # The headline is what moves the model, when something does; else the first step.
@@ -359,7 +417,15 @@ def plan_device(desired: DesiredState, facts: DeviceFacts, recipe: Recipe | None
     if model_steps:
         steps = _with_hooks(desired, steps)
     if recipe is not None:
-        steps = [replace(s, actions=recipe.actions(s.kind, facts, desired)) for s in steps]
+        steps = [
+            replace(
+                s,
+                actions=recipe.adapter_actions(s, facts, desired)
+                if s.adapter
+                else recipe.actions(s.kind, facts, desired),
+            )
+            for s in steps
+        ]
     return verdict(DeviceStatus.CHANGE, reason, steps)
 
 
@@ -412,6 +478,32 @@ def cannot_run(desired: DesiredState, facts: DeviceFacts) -> str | None:
             "give the device's profile torch: system (JetPack's CUDA torch) or set agent.device: auto"
         )
     return None
+
+
+def adapter_changes(desired: DesiredState, facts: DeviceFacts) -> list[tuple[AdapterChange, list[Step]]]:
+    """Each adapter whose current version on the device is not the target's, with its steps: a
+    patch from the version it has when the controller made one, else the full adapter artifact,
+    then its install (which hot-loads and smoke-tests it, and rolls it back alone on failure)."""
+    out = []
+    for target in desired.adapters:
+        have = facts.adapters.get(target.name)
+        if have is not None and have.artifact_sha256 == target.artifact_sha256:
+            continue
+        change = AdapterChange(target.name, have.version if have else None, target.version)
+        head = f"adapter {target.name} {change.from_version or 'none'} -> {target.version}"
+        if not target.artifact_sha256:
+            why = f"{head}: not built for this base: run `sits-deployer build`"
+            out.append((change, [Step(StepKind.BUILD, why, adapter=target.name)]))
+            continue
+        if have is not None and have.artifact_sha256 in target.patches:
+            size = target.patches[have.artifact_sha256]
+            send = Step(StepKind.SEND_ADAPTER_PATCH, f"{head}: patch", size, adapter=target.name)
+        else:
+            full = f"{head}: full adapter artifact"
+            send = Step(StepKind.SEND_ADAPTER, full, target.artifact_bytes, adapter=target.name)
+        install = Step(StepKind.INSTALL_ADAPTER, f"{head}: verify, load, smoke prompts", adapter=target.name)
+        out.append((change, [send, install]))
+    return out
 
 
 def stale_files(desired: DesiredState, facts: DeviceFacts) -> list[str]:

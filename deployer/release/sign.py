@@ -17,6 +17,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from deployer.core.adapter_release import AdapterRelease
 from deployer.core.redact import Secret
 from deployer.core.release import Envelope, Release, SignatureEntry
 from deployer.core.verify import key_id, read_key_file
@@ -115,8 +116,8 @@ def load_signing_key(
     return load_private_key(path, passphrase)
 
 
-def envelope_for(release: Release) -> Envelope:
-    """An unsigned envelope holding `release`'s canonical form."""
+def envelope_for(release: Release | AdapterRelease) -> Envelope:
+    """An unsigned envelope holding `release`'s (a model's or an adapter's) canonical form."""
     return Envelope(signed=release.model_dump(mode="json"), signatures=[])
 
 
