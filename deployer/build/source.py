@@ -108,26 +108,40 @@ def source_sha256(source: SourceModel) -> str:
 
 
 def iter_tensors(source: SourceModel) -> Iterator[tuple[SourceTensor, Any]]:
-    """Yield (tensor, torch.Tensor) one at a time in name order.
+    """Yield (tensor, torch.Tensor) one at a time in name order (see `read_rows`)."""
+    for tensor in source.tensors:
+        yield tensor, read_rows(tensor.path, tensor.entry)
 
-    Each tensor is read with plain reads at its validated offset, not memory-mapped: a mapping
-    would leave the pages of the whole file resident, and peak memory should be one tensor.
+
+def read_rows(path: Path, entry: TensorEntry, start: int = 0, stop: int | None = None) -> Any:
+    """Rows `start`..`stop` (along the first dimension; all of them by default) of the tensor
+    `entry` of the safetensors file `path`, as a torch tensor of the stored dtype.
+
+    Read with plain reads at the validated offset, not memory-mapped: a mapping would leave the
+    pages of the whole file resident, and peak memory should be what is asked for. Raises
+    SourceModelError naming the file and the tensor when the file ends early.
     """
     import torch
 
-    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-    for tensor in source.tensors:
-        entry = tensor.entry
-        buffer = bytearray(entry.length)
-        try:
-            with tensor.path.open("rb") as f:
-                f.seek(entry.offset)
-                if f.readinto(buffer) != entry.length:
-                    raise SourceModelError(f"{tensor.path}: truncated inside tensor {tensor.name!r}")
-        except OSError as exc:
-            raise SourceModelError(f"{tensor.path}: cannot read ({exc.strerror or exc})") from exc
-        flat = torch.frombuffer(buffer, dtype=dtypes[entry.dtype]) if buffer else torch.empty(0)
-        yield tensor, flat.reshape(entry.shape)
+    from deployer.core.quant_layout import TORCH_DTYPES
+
+    rows = entry.shape[0] if entry.shape else 1
+    stop = rows if stop is None else min(stop, rows)
+    row_bytes = entry.length // rows if rows else 0
+    buffer = bytearray(row_bytes * (stop - start))
+    try:
+        with path.open("rb") as f:
+            f.seek(entry.offset + start * row_bytes)
+            if f.readinto(buffer) != len(buffer):
+                raise SourceModelError(
+                    f"{path}: truncated inside tensor {entry.name!r}",
+                    hint="the file is shorter than its header says: copy or download it again",
+                )
+    except OSError as exc:
+        raise SourceModelError(f"{path}: cannot read tensor {entry.name!r} ({exc.strerror or exc})") from exc
+    dtype = TORCH_DTYPES[entry.dtype]
+    flat = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
+    return flat.reshape((stop - start, *entry.shape[1:]) if entry.shape else ())
 
 
 def _read_json(path: Path) -> dict[str, Any]:
