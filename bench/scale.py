@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-3b"], choices=sorted(SHAPES))
     parser.add_argument("--max-tokens", type=int, default=512, help="eval tokens the gate scores")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=140)  # the table whole, also when written to a file
     table = Table(title=f"sits-deployer build, int4-g128, gate on {args.max_tokens} tokens vs gate off")
     for col in (
         "shape",
