@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,15 +19,17 @@ from typing import Any
 import torch
 
 from deployer.build.quantize import StoredTensor
+from deployer.build.source import read_rows
 from deployer.core.canonical import canonical_json
 from deployer.core.hashing import sha256_bytes, sha256_file
 from deployer.core.manifest import MANIFEST_NAME, ArtifactManifest, parse_manifest, read_manifest
-from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant, dequantize
-from deployer.core.safetensors_io import DTYPE_SIZES
-from deployer.errors import BuildError
+from deployer.core.quant_layout import ROW_CHUNK, TORCH_DTYPES, ModuleQuant, dequantize
+from deployer.core.safetensors_io import DTYPE_SIZES, TensorEntry, read_header
+from deployer.errors import BuildError, FormatError
 
 __all__ = [
     "WEIGHTS_NAME",
+    "ArtifactWeights",
     "TensorRecord",
     "WeightsWriter",
     "copy_files",
@@ -183,3 +185,49 @@ def load_state_dict(
         if name not in state and name not in companions:
             state[name] = tensor.float()
     return state
+
+
+class ArtifactWeights:
+    """A safetensors artifact's weights dequantized to fp32 under the source checkpoint's names,
+    a tensor or a block of rows at a time (the quality gate's `Weights`): the peak is one fp32
+    tensor, and a dequantization's temporaries are bounded to ROW_CHUNK rows."""
+
+    def __init__(self, artifact_dir: Path, modules: Mapping[str, ModuleQuant]) -> None:
+        self._path = artifact_dir / WEIGHTS_NAME
+        try:
+            self._stored = read_header(self._path).by_name()
+        except FormatError as exc:
+            raise BuildError(exc.message, hint=exc.hint) from exc
+        self._modules = modules
+
+    def tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors in fp32."""
+        return {name: self._whole(name) for name in names}
+
+    def row_blocks(self, name: str, rows: int) -> Iterator[torch.Tensor]:
+        """The tensor `name`, `rows` rows at a time, in fp32."""
+        entry = self._entry(name)
+        module = name.removesuffix(".weight")
+        quant = self._modules.get(module) if name.endswith(".weight") else None
+        parts = [n for n in (name, f"{name}_scale", f"{name}_zero") if n in self._stored]
+        for start in range(0, entry.shape[0], rows):
+            stored = {n: read_rows(self._path, self._stored[n], start, start + rows) for n in parts}
+            yield dequantize(name, quant, stored)
+
+    def _whole(self, name: str) -> torch.Tensor:
+        rows = self._entry(name).shape[0]
+        out: torch.Tensor | None = None
+        blocks = self.row_blocks(name, ROW_CHUNK)
+        for start, block in zip(range(0, rows, ROW_CHUNK), blocks, strict=True):
+            if out is None:  # dequantized rows are wider than packed int4 ones: sized by the first block
+                out = torch.empty((rows, *block.shape[1:]))
+            out[start : start + len(block)] = block
+        if out is None:
+            raise BuildError(f"internal: {self._path}: tensor {name!r} is empty")
+        return out
+
+    def _entry(self, name: str) -> TensorEntry:
+        entry = self._stored.get(name)
+        if entry is None:
+            raise BuildError(f"internal: {self._path} has no tensor {name!r}")
+        return entry

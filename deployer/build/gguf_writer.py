@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ __all__ = [
     "INT4_TYPES",
     "GGUFTensorPlan",
     "GGUFTensorRecord",
+    "GGUFWeights",
     "load_gguf_state",
     "plan_gguf",
     "write_gguf",
@@ -330,3 +331,20 @@ def load_gguf_state(path: Path, plans: list[GGUFTensorPlan]) -> dict[str, torch.
                 values = _unpermute(values, plan.permute_heads)
             state[plan.source] = torch.from_numpy(np.ascontiguousarray(values))
     return state
+
+
+class GGUFWeights:
+    """A GGUF's weights dequantized to fp32 under the source checkpoint's names (the quality gate's
+    `Weights`, where llama.cpp is not installed): a decoder layer at a time, but the head whole."""
+
+    def __init__(self, path: Path, plans: list[GGUFTensorPlan]) -> None:
+        self._path = path
+        self._plans = {plan.source: plan for plan in plans}
+
+    def tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors in fp32."""
+        return load_gguf_state(self._path, [self._plans[name] for name in names])
+
+    def row_blocks(self, name: str, rows: int) -> Iterator[torch.Tensor]:
+        """The tensor `name`, `rows` rows at a time, in fp32."""
+        yield from self.tensors([name])[name].split(rows)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,10 @@ from deployer import __version__
 from deployer.build import awq, quality
 from deployer.build.artifact import (
     WEIGHTS_NAME,
+    ArtifactWeights,
     WeightsWriter,
     copy_files,
     file_records,
-    load_state_dict,
     module_quants,
     read_manifest,
     write_manifest,
@@ -49,7 +49,7 @@ class _Written:
     tensors: dict[str, Any]  # name -> a record with to_json() (TensorRecord or GGUFTensorRecord)
     count: int
     size: int
-    scorer: Callable[[], AbstractContextManager[quality.Scorer]]
+    quantized: Callable[[], AbstractContextManager[quality.Quantized]]
     runtime: str = "torch"
     awq: dict[str, Any] | None = None  # the manifest's quantization.spec.awq
 
@@ -224,7 +224,7 @@ def _write_weights(
         dict(writer.records),
         len(writer.records),
         writer.size,
-        lambda: quality.torch_scorer(source, load_state_dict(staged, modules)),
+        lambda: nullcontext(ArtifactWeights(staged, modules)),
         awq=None if folds is None or calibration is None else _awq_record(calibration, folds),
     )
 
@@ -239,7 +239,7 @@ def _write_gguf(
 ) -> _Written:
     """The weights, tokenizer and chat template as one GGUF file (for `agent.engine: llama.cpp`),
     gated through llama.cpp itself when it is installed."""
-    from deployer.build.gguf_writer import GGUF_NAME, load_gguf_state, plan_gguf, write_gguf
+    from deployer.build.gguf_writer import GGUF_NAME, GGUFWeights, plan_gguf, write_gguf
 
     plans = plan_gguf(source, request.quant, int4_type=request.gguf_int4)
     path = staged / GGUF_NAME
@@ -247,12 +247,12 @@ def _write_gguf(
     records = write_gguf(source, path, plans, name=request.name, version=request.version, progress=progress)
     runtime = _gguf_gate_runtime()
 
-    def scorer() -> AbstractContextManager[quality.Scorer]:
+    def quantized() -> AbstractContextManager[quality.Quantized]:
         if runtime == "llama.cpp":
             return quality.llama_cpp_scorer(path, quality.window(source))
-        return quality.torch_scorer(source, load_gguf_state(path, plans))
+        return nullcontext(GGUFWeights(path, plans))
 
-    return _Written({}, records, len(records), path.stat().st_size, scorer, runtime)
+    return _Written({}, records, len(records), path.stat().st_size, quantized, runtime)
 
 
 def _gguf_gate_runtime() -> str:
@@ -276,8 +276,8 @@ def _gate(
     if request.gate is None:
         return None
     progress.stage(f"quality gate: scoring on up to {request.gate.max_tokens} tokens ({written.runtime})")
-    with written.scorer() as scorer:
-        measured = quality.measure(source, scorer, request.gate, written.bits_per_weight)
+    with written.quantized() as quantized:
+        measured = quality.measure(source, quantized, request.gate, written.bits_per_weight)
         report = quality.apply_limits(measured, request.gate)
     quality.enforce(report, request.quant.label)
     return report

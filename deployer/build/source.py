@@ -89,8 +89,11 @@ def open_source(path: Path) -> SourceModel:
             raise SourceModelError(f"{path}: missing {name}", hint="export the model with its tokenizer")
     config = _read_json(path / "config.json")
     architecture = _architecture(path, config)
-    weight_files = _weight_files(path)
-    tensors = _index_tensors(path, weight_files)
+    weight_map = _weight_map(path)
+    weight_files = tuple(sorted(set(weight_map.values()))) if weight_map else (SINGLE_FILE,)
+    _check_files(path, weight_files)
+    tensors = _index_tensors(path, weight_files, weight_map)
+    _check_shapes(path, config, tensors)
     optional = tuple(n for n in OPTIONAL_FILES if (path / n).is_file())
     return SourceModel(
         path=path,
@@ -108,26 +111,40 @@ def source_sha256(source: SourceModel) -> str:
 
 
 def iter_tensors(source: SourceModel) -> Iterator[tuple[SourceTensor, Any]]:
-    """Yield (tensor, torch.Tensor) one at a time in name order.
+    """Yield (tensor, torch.Tensor) one at a time in name order (see `read_rows`)."""
+    for tensor in source.tensors:
+        yield tensor, read_rows(tensor.path, tensor.entry)
 
-    Each tensor is read with plain reads at its validated offset, not memory-mapped: a mapping
-    would leave the pages of the whole file resident, and peak memory should be one tensor.
+
+def read_rows(path: Path, entry: TensorEntry, start: int = 0, stop: int | None = None) -> Any:
+    """Rows `start`..`stop` (along the first dimension; all of them by default) of the tensor
+    `entry` of the safetensors file `path`, as a torch tensor of the stored dtype.
+
+    Read with plain reads at the validated offset, not memory-mapped: a mapping would leave the
+    pages of the whole file resident, and peak memory should be what is asked for. Raises
+    SourceModelError naming the file and the tensor when the file ends early.
     """
     import torch
 
-    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-    for tensor in source.tensors:
-        entry = tensor.entry
-        buffer = bytearray(entry.length)
-        try:
-            with tensor.path.open("rb") as f:
-                f.seek(entry.offset)
-                if f.readinto(buffer) != entry.length:
-                    raise SourceModelError(f"{tensor.path}: truncated inside tensor {tensor.name!r}")
-        except OSError as exc:
-            raise SourceModelError(f"{tensor.path}: cannot read ({exc.strerror or exc})") from exc
-        flat = torch.frombuffer(buffer, dtype=dtypes[entry.dtype]) if buffer else torch.empty(0)
-        yield tensor, flat.reshape(entry.shape)
+    from deployer.core.quant_layout import TORCH_DTYPES
+
+    rows = entry.shape[0] if entry.shape else 1
+    stop = rows if stop is None else min(stop, rows)
+    row_bytes = entry.length // rows if rows else 0
+    buffer = bytearray(row_bytes * (stop - start))
+    try:
+        with path.open("rb") as f:
+            f.seek(entry.offset + start * row_bytes)
+            if f.readinto(buffer) != len(buffer):
+                raise SourceModelError(
+                    f"{path}: truncated inside tensor {entry.name!r}",
+                    hint="the file is shorter than its header says: copy or download it again",
+                )
+    except OSError as exc:
+        raise SourceModelError(f"{path}: cannot read tensor {entry.name!r} ({exc.strerror or exc})") from exc
+    dtype = TORCH_DTYPES[entry.dtype]
+    flat = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
+    return flat.reshape((stop - start, *entry.shape[1:]) if entry.shape else ())
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -145,27 +162,34 @@ def _architecture(path: Path, config: dict[str, Any]) -> str:
     return arch
 
 
-def _weight_files(path: Path) -> tuple[str, ...]:
+def _weight_map(path: Path) -> dict[str, str] | None:
+    """The sharded checkpoint's index (tensor name -> shard file), or None for a single file."""
     index_path = path / INDEX_FILE
     if index_path.is_file():
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise SourceModelError(f"{index_path}: has no weight_map")
-        files = tuple(sorted(set(weight_map.values())))
-    elif (path / SINGLE_FILE).is_file():
-        files = (SINGLE_FILE,)
-    else:
-        raise SourceModelError(
-            f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}",
-            hint="the source must hold its weights in safetensors",
-        )
-    for name in files:
+        return {str(name): str(file) for name, file in weight_map.items()}
+    if (path / SINGLE_FILE).is_file():
+        return None
+    raise SourceModelError(
+        f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}",
+        hint="the source must hold its weights in safetensors",
+    )
+
+
+def _check_files(path: Path, weight_files: tuple[str, ...]) -> None:
+    for name in weight_files:
         if "/" in name or name.startswith(".") or not (path / name).is_file():
-            raise SourceModelError(f"{path}: weight file {name!r} is missing or outside the model")
-    return files
+            raise SourceModelError(
+                f"{path}: weight file {name!r} is missing or outside the model",
+                hint=f"{INDEX_FILE} names it: copy or download every shard",
+            )
 
 
-def _index_tensors(path: Path, weight_files: tuple[str, ...]) -> tuple[SourceTensor, ...]:
+def _index_tensors(
+    path: Path, weight_files: tuple[str, ...], weight_map: dict[str, str] | None
+) -> tuple[SourceTensor, ...]:
     found: dict[str, SourceTensor] = {}
     for name in weight_files:
         header = _header(path / name)
@@ -183,7 +207,45 @@ def _index_tensors(path: Path, weight_files: tuple[str, ...]) -> tuple[SourceTen
             found[entry.name] = SourceTensor(entry.name, entry, header.path)
     if not found:
         raise SourceModelError(f"{path}: the safetensors files hold no tensors")
+    for name, file in (weight_map or {}).items():
+        if not name.endswith(DROPPED_SUFFIXES) and (name not in found or found[name].path.name != file):
+            raise SourceModelError(
+                f"{path / INDEX_FILE}: names tensor {name!r} in {file}, which does not hold it",
+                hint="the index and the shards must come from the same export: download them again",
+            )
     return tuple(found[n] for n in sorted(found))
+
+
+def _check_shapes(path: Path, config: dict[str, Any], tensors: tuple[SourceTensor, ...]) -> None:
+    """Every tensor the config's architecture needs is there, in the shape it needs: the
+    architecture's `transformers` modules, built on the meta device (no memory), say which."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, KeyError) as exc:
+        raise SourceModelError(f"{path / 'config.json'}: not a usable transformers config ({exc})") from exc
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    by_name = {t.name: t for t in tensors}
+    tied = bool(config.get("tie_word_embeddings", False))
+    for name, param in skeleton.state_dict().items():
+        tensor = by_name.get(name)
+        if tensor is None:
+            if tied and name == "lm_head.weight":
+                continue  # the head is the embedding
+            raise SourceModelError(
+                f"{path}: the checkpoint has no tensor {name!r}, which its config.json "
+                f"({config.get('model_type')}, {config.get('num_hidden_layers')} layers) needs",
+                hint="the weights and config.json must come from the same model",
+            )
+        if tuple(tensor.entry.shape) != tuple(param.shape):
+            raise SourceModelError(
+                f"{tensor.path}: tensor {name!r} has shape {list(tensor.entry.shape)}, but "
+                f"config.json says {list(param.shape)}",
+                hint="the weights and config.json must come from the same model",
+            )
 
 
 def _header(path: Path) -> SafetensorsHeader:

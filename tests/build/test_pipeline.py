@@ -194,6 +194,53 @@ def _no_weights(model: Path) -> None:
     (model / "model.safetensors").unlink()
 
 
+def _shard(model: Path) -> None:
+    """Rewrite the checkpoint as two shards and an index, as Hugging Face exports big models."""
+    from safetensors.torch import save_file
+
+    tensors = _source_weights(model)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:7], "model-00002-of-00002.safetensors": names[7:]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(model / shard))
+    (model / "model.safetensors").unlink()
+    index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _missing_shard(model: Path) -> None:
+    _shard(model)
+    (model / "model-00002-of-00002.safetensors").unlink()
+
+
+def _truncated_shard(model: Path) -> None:
+    _shard(model)
+    path = model / "model-00002-of-00002.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _index_names_a_missing_tensor(model: Path) -> None:
+    _shard(model)
+    path = model / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["weight_map"]["model.layers.0.mlp.ghost.weight"] = "model-00001-of-00002.safetensors"
+    path.write_text(json.dumps(index))
+
+
+def _tensor_missing(model: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = _source_weights(model)
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(model / "model.safetensors"))
+
+
+def _config_does_not_match(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (model / "config.json").write_text(json.dumps(config))
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
@@ -203,6 +250,15 @@ def _no_weights(model: Path) -> None:
         (_int64_tensor, "dtype I64, which cannot be quantized"),
         (_gpt2, "architecture 'GPT2LMHeadModel' is not supported"),
         (_no_weights, "no model.safetensors"),
+        (_missing_shard, "weight file 'model-00002-of-00002.safetensors' is missing"),
+        (_truncated_shard, "model-00002-of-00002.safetensors.*past the end of the file"),
+        (_index_names_a_missing_tensor, "names tensor 'model.layers.0.mlp.ghost.weight' in model-00001"),
+        (_tensor_missing, "no tensor 'model.norm.weight', which its config.json"),
+        (
+            _config_does_not_match,
+            r"model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[160, 64\], "
+            r"but config.json says \[168, 64\]",
+        ),
     ],
 )
 def test_bad_source_gives_a_clear_error_and_leaves_nothing(tiny_copy, tmp_path, damage, message):
@@ -222,16 +278,7 @@ def test_missing_eval_text_fails_before_any_work(tiny_model_dir, tmp_path):
 
 
 def test_sharded_source_gives_the_same_tensors(tiny_model_dir, tiny_copy, tmp_path):
-    from safetensors.torch import save_file
-
-    tensors = _source_weights(tiny_copy)
-    names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[:7], "model-00002-of-00002.safetensors": names[7:]}
-    for shard, keys in shards.items():
-        save_file({k: tensors[k] for k in keys}, str(tiny_copy / shard))
-    (tiny_copy / "model.safetensors").unlink()
-    index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
-    (tiny_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    _shard(tiny_copy)
     single = read_manifest(build_artifact(make_request(tiny_model_dir, tmp_path / "a")).artifact_dir)
     sharded = read_manifest(build_artifact(make_request(tiny_copy, tmp_path / "b")).artifact_dir)
     assert sharded.tensors == single.tensors
