@@ -37,8 +37,9 @@ from deployer.errors import BuildError
 
 __all__ = ["Imatrix", "compute_imatrix", "gguf_records", "quantize", "quantizer_version", "threads"]
 
-# llama_ftype of each `gguf_type` (llama.h; the binding's LLAMA_FTYPE_MOSTLY_* constants).
-FTYPES = {"Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+# llama_ftype of each `gguf_type` (llama.h; the binding's LLAMA_FTYPE_MOSTLY_* constants), and of
+# Q4_0 and Q4_1, which bench/quality.py has llama.cpp make for comparison with our writer's.
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 
 
 @dataclass(frozen=True)
