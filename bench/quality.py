@@ -1,6 +1,10 @@
 """Quantization quality bench: ours (int8, int4 group 32 / 128, with and without AWQ) against
-llama.cpp's Q4_0, Q4_1, Q8_0 (our GGUF pipeline, scored by llama.cpp) and Q4_K_M (llama.cpp's own
-quantizer on our f16 GGUF), from the same source weights, in one run, on one held-out text.
+llama.cpp's Q4_0, Q4_1, Q8_0 written by our GGUF writer, and llama.cpp's own quantizer
+(llama_model_quantize) on the f16 GGUF our writer produces: Q4_K_M without and with our importance
+matrix (on deployer/core/calibration.txt), Q5_K_M, Q6_K, Q8_0 (these rows are builds with
+`quantization.gguf_type`), and Q4_0, Q4_1 quantized directly. `--llama-tools` (llama.cpp's
+build/bin) adds Q4_K_M with llama-imatrix's own matrix on the same text. Same source weights,
+one run, one held-out text.
 
 Two models:
 * SmolLM2-135M-Instruct (`builtin:`): its fp32 checkpoint is itself dequantized Q4_1 blocks of 32,
@@ -11,10 +15,12 @@ Two models:
 Every row is scored by the build's own quality gate on examples/data/eval.txt (held out: neither
 the calibration text deployer/core/calibration.txt nor the docs contain it): perplexity change,
 mean KL(reference || quantized), top-1 agreement against the fp32 source; bits per weight of the
-decoder's linear layers; quantization seconds (wall, gate excluded). `--baseline-repo` adds the
-int4 rows of another checkout (e.g. main before exact-range int4) built in a subprocess.
+decoder's linear layers; quantization seconds (wall, gate excluded); decode tokens per second
+of each GGUF on llama.cpp (2 threads, greedy, 64 tokens after a short prompt). `--baseline-repo`
+adds the int4 rows of another checkout (e.g. main before exact-range int4) built in a subprocess.
 
 Run: PYTHONPATH=. .venv/bin/python bench/quality.py [--models smollm2,trained] [--baseline-repo ../main]
+     [--llama-tools ~/.cache/sits-deployer/llama-cpp/<key>/llama_cpp_python-<v>/vendor/llama.cpp/build/bin]
 """
 
 from __future__ import annotations
@@ -25,20 +31,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from deployer.build import quality
+from deployer.build import llama_quant, quality
 from deployer.build.artifact import module_quants, read_manifest
 from deployer.build.demo_model import make_tiny_checkpoint, prepare_smollm2
+from deployer.build.gguf_writer import GGUF_NAME
 from deployer.build.pipeline import build_artifact
 from deployer.build.progress import SilentProgress
 from deployer.build.source import open_source
-from deployer.build.spec import AwqSpec, BuildRequest, GateSpec, QuantSpec
+from deployer.build.spec import AwqSpec, BuildRequest, GateSpec, LlamaQuantSpec, QuantSpec
+from deployer.core.calibration import DEFAULT_CALIBRATION
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_TEXT = ROOT / "examples" / "data" / "eval.txt"
@@ -50,13 +60,17 @@ OURS = [
     ("int4-g128", "int4", 128, False),
     ("int4-g128 + awq", "int4", 128, True),
 ]
-# (label, scheme, GGUF int4 type) of our GGUF builds.
+# (label, scheme, GGUF int4 type) of our GGUF writer's builds.
 GGUF = [
-    ("llama.cpp Q4_0", "int4", "Q4_0"),
-    ("llama.cpp Q4_1", "int4", "Q4_1"),
-    ("llama.cpp Q8_0", "int8", "Q4_1"),
+    ("GGUF Q4_0 (our writer)", "int4", "Q4_0"),
+    ("GGUF Q4_1 (our writer)", "int4", "Q4_1"),
+    ("GGUF Q8_0 (our writer)", "int8", "Q4_1"),
 ]
-Q4_K_M = 15  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
+# llama.cpp types the pipeline's gguf_type does not offer, quantized directly from the same f16 GGUF.
+BY_HAND = ["Q4_0", "Q4_1"]
+# (gguf_type, importance matrix) of the `gguf_type` builds: llama.cpp's quantizer in the pipeline.
+LLAMA = [("Q4_K_M", False), ("Q4_K_M", True), ("Q5_K_M", True), ("Q6_K", True), ("Q8_0", False)]
+DECODE_TOKENS = 64
 # What a baseline checkout builds in a subprocess: prints its quality and quantization seconds.
 CHILD = """
 import json, sys, time
@@ -95,6 +109,7 @@ class Row:
     top1: float
     seconds: float
     cpu_seconds: float
+    decode_tps: float | None = None  # llama.cpp's decode speed (GGUF rows)
 
 
 class _GateTimer(SilentProgress):
@@ -114,8 +129,28 @@ class _GateTimer(SilentProgress):
         return end[0] - self.started[0], end[1] - self.started[1]
 
 
-def _row(label: str, q, timer: _GateTimer) -> Row:
-    return Row(label, q.bits_per_weight, q.increase_pct, q.mean_kl, q.top1_agreement, *timer.seconds())
+def _row(label: str, q, timer: _GateTimer, gguf: Path | None = None) -> Row:
+    tps = decode_tps(gguf) if gguf is not None and quality.llama_cpp_available() else None
+    return Row(label, q.bits_per_weight, q.increase_pct, q.mean_kl, q.top1_agreement, *timer.seconds(), tps)
+
+
+def decode_tps(path: Path) -> float:
+    """Greedy decode tokens per second of the GGUF at `path` on llama.cpp (2 threads): the time
+    from the first generated token to the last, after the prompt."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
+    tokens = llm.tokenize(b"The history of the city begins", add_bos=True)
+    produced, first = 0, 0.0
+    for _ in llm.generate(tokens, temp=0.0, top_k=1):
+        produced += 1
+        if produced == 1:
+            first = time.perf_counter()
+        if produced > DECODE_TOKENS:
+            break
+    seconds = time.perf_counter() - first
+    llm.close()
+    return (produced - 1) / seconds
 
 
 def ours(source: Path, work: Path, gate: GateSpec) -> list[Row]:
@@ -153,43 +188,73 @@ def gguf(source: Path, work: Path, gate: GateSpec) -> list[Row]:
             gguf_int4=int4_type,
         )
         result = build_artifact(request, progress=timer)
-        rows.append(_row(label, result.quality, timer))
+        rows.append(_row(label, result.quality, timer, result.artifact_dir / GGUF_NAME))
     return rows
 
 
-def q4_k_m(source: Path, work: Path, gate: GateSpec) -> Row:
-    """llama.cpp's own Q4_K_M quantizer (no importance matrix) on our f16 GGUF, scored by llama.cpp."""
-    import llama_cpp
+def llama(source: Path, work: Path, gate: GateSpec) -> list[Row]:
+    """`gguf_type` builds: llama.cpp's quantizer (and llama-imatrix) on our f16 GGUF."""
+    rows = []
+    for gguf_type, imatrix in LLAMA:
+        timer = _GateTimer()
+        request = BuildRequest(
+            source,
+            "bench",
+            "1.0.0",
+            QuantSpec("fp16"),
+            work / f"{gguf_type}{imatrix}",
+            gate,
+            use_cache=False,
+            format="gguf",
+            llama_quant=LlamaQuantSpec(gguf_type, imatrix),
+        )
+        result = build_artifact(request, progress=timer)
+        label = f"llama.cpp {gguf_type}" + (" + imatrix" if request.llama_quant.uses_imatrix else "")
+        rows.append(_row(label, result.quality, timer, result.artifact_dir / GGUF_NAME))
+    return rows
+
+
+def by_hand(source: Path, work: Path, gate: GateSpec, tools: Path | None) -> list[Row]:
+    """llama.cpp's quantizer called directly on our f16 GGUF: Q4_0 and Q4_1 (types the pipeline's
+    gguf_type does not offer), and, with llama.cpp's programs in `tools`, Q4_K_M weighted by
+    llama-imatrix's own matrix on the same calibration text (to compare with ours)."""
+    request = BuildRequest(source, "bench", "1.0.0", QuantSpec("fp16"), work / "f16", format="gguf")
+    f16 = build_artifact(request).artifact_dir / GGUF_NAME
+    model = open_source(source)
+    jobs: list[tuple[str, str, Callable[[], llama_quant.Imatrix | None]]] = [
+        (f"llama.cpp {t} (llama_model_quantize)", t, lambda: None) for t in BY_HAND
+    ]
+    if tools is not None:
+        jobs.append(("llama.cpp Q4_K_M + llama-imatrix", "Q4_K_M", lambda: llama_imatrix(tools, f16, work)))
+    rows = []
+    for label, gguf_type, imatrix in jobs:
+        timer = _GateTimer()
+        out = work / f"{gguf_type}-{len(rows)}.gguf"
+        llama_quant.quantize(f16, out, gguf_type, imatrix(), 2)
+        timer.stage("quality gate")
+        bits = quality.bits_per_weight(llama_quant.gguf_records(out), {})
+        with quality.llama_cpp_scorer(out, quality.window(model)) as scorer:
+            report = quality.measure(model, scorer, gate, bits)
+        rows.append(_row(label, report, timer, out))
+    return rows
+
+
+def llama_imatrix(tools: Path, f16: Path, work: Path) -> llama_quant.Imatrix:
+    """llama-imatrix's matrix of `f16` on the shipped calibration text (chunks of 128 tokens),
+    read from its GGUF file as llama-quantize reads it: each entry's sums over its count."""
     from gguf import GGUFReader
 
-    from deployer.build.gguf_writer import GGUF_NAME
-
-    timer = _GateTimer()
-    request = BuildRequest(
-        source, "bench", "1.0.0", QuantSpec("fp16"), work / "f16", use_cache=False, format="gguf"
-    )
-    f16 = build_artifact(request).artifact_dir / GGUF_NAME
-    out = work / "q4_k_m.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = Q4_K_M
-    params.nthread = 2
-    if llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), params) != 0:
-        raise RuntimeError("llama_model_quantize failed")
-    timer.stage("quality gate")
-    model = open_source(source)
-    records = {
-        t.name: _Stored(t.tensor_type.name, tuple(int(d) for d in t.shape)) for t in GGUFReader(out).tensors
-    }
-    bits = quality.bits_per_weight(records, {})
-    with quality.llama_cpp_scorer(out, quality.window(model)) as scorer:
-        report = quality.measure(model, scorer, gate, bits)
-    return _row("llama.cpp Q4_K_M (no imatrix)", report, timer)
-
-
-@dataclass(frozen=True)
-class _Stored:
-    dtype: str
-    shape: tuple[int, ...]
+    out = work / "llama-imatrix.gguf"
+    command = [tools / "llama-imatrix", "-m", f16, "-f", DEFAULT_CALIBRATION, "-o", out]
+    subprocess.run([*command, "-c", "128", "-t", "2", "--no-ppl"], check=True, capture_output=True)
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1) for t in GGUFReader(out).tensors}
+    values, tokens = {}, 0
+    for name, sums in tensors.items():
+        if name.endswith(".in_sum2"):
+            counts = tensors[name.removesuffix(".in_sum2") + ".counts"]
+            values[name.removesuffix(".in_sum2")] = sums / counts[0]
+            tokens = int(counts[0])
+    return llama_quant.Imatrix(values, tokens)
 
 
 def baseline(repo: Path, source: Path, work: Path, max_tokens: int) -> list[Row]:
@@ -258,7 +323,16 @@ def trained_model(dest: Path, corpus: str, steps: int) -> tuple[Path, float]:
 
 def table(title: str, rows: list[Row]) -> Table:
     result = Table(title=title)
-    for col in ("build", "bits/weight", "ppl change", "mean KL", "top-1", "quantize s", "CPU s"):
+    for col in (
+        "build",
+        "bits/weight",
+        "ppl change",
+        "mean KL",
+        "top-1",
+        "quantize s",
+        "CPU s",
+        "decode tok/s",
+    ):
         result.add_column(col, justify="right")
     for r in rows:
         result.add_row(
@@ -269,6 +343,7 @@ def table(title: str, rows: list[Row]) -> Table:
             f"{r.top1:.3f}",
             f"{r.seconds:.1f}",
             f"{r.cpu_seconds:.1f}",
+            "" if r.decode_tps is None else f"{r.decode_tps:.0f}",
         )
     return result
 
@@ -277,8 +352,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2,trained")
     parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--rows", default="ours,gguf", help="ours (torch engine), gguf (llama.cpp)")
     parser.add_argument("--steps", type=int, default=300, help="training steps of the second model")
     parser.add_argument("--baseline-repo", type=Path, help="also build int4 with this checkout's code")
+    parser.add_argument(
+        "--llama-tools", type=Path, help="llama.cpp's build/bin: adds Q4_K_M with llama-imatrix's matrix"
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     console = Console(width=150)  # the table whole, also when piped
@@ -294,9 +373,11 @@ def main() -> None:
             models[f"tiny Llama trained {args.steps} steps on docs/ (last loss {loss:.2f})"] = trained
         for i, (name, source) in enumerate(models.items()):
             out = work / f"model{i}"
-            rows = [*ours(source, out, gate), *gguf(source, out, gate)]
-            if quality.llama_cpp_available():
-                rows.append(q4_k_m(source, out, gate))
+            rows = [*ours(source, out, gate)] if "ours" in args.rows else []
+            if "gguf" in args.rows:
+                rows += [*gguf(source, out, gate), *llama(source, out, gate)]
+                if quality.llama_cpp_available():
+                    rows += by_hand(source, out, gate, args.llama_tools)
             if args.baseline_repo:
                 rows += baseline(args.baseline_repo.resolve(), source, out, args.max_tokens)
             console.print(table(f"{name}: quantized vs fp32 source on examples/data/eval.txt", rows))

@@ -10,12 +10,13 @@ artifacts/ and no cache entry.
 from __future__ import annotations
 
 import errno
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deployer import __version__
 from deployer.build import awq, quality
@@ -32,11 +33,14 @@ from deployer.build.artifact import (
 from deployer.build.progress import BuildProgress, SilentProgress
 from deployer.build.quantize import TensorPlan, plan_tensor, quantize_tensor
 from deployer.build.source import SourceModel, iter_tensors, open_source, source_sha256
-from deployer.build.spec import BuildRequest, BuildResult, QualityReport
+from deployer.build.spec import AwqSpec, BuildRequest, BuildResult, QualityReport
 from deployer.build.store import Store, build_key
 from deployer.core.hashing import sha256_file
 from deployer.core.quant_layout import ModuleQuant
 from deployer.errors import BuildError
+
+if TYPE_CHECKING:
+    from deployer.build.gguf_writer import GGUFTensorPlan
 
 BUILDER = {"name": "sits-deployer", "version": __version__}
 
@@ -51,7 +55,7 @@ class _Written:
     size: int
     quantized: Callable[[], AbstractContextManager[quality.Quantized]]
     runtime: str = "torch"
-    awq: dict[str, Any] | None = None  # the manifest's quantization.spec.awq
+    spec: dict[str, Any] = field(default_factory=dict)  # added to the manifest's quantization.spec
 
     @property
     def bits_per_weight(self) -> float:
@@ -86,7 +90,7 @@ def find_built(request: BuildRequest) -> BuildResult | None:
     SourceModelError for a bad source.
     """
     source = open_source(request.source_dir)
-    calibration = awq.read_calibration(request.awq) if request.awq else None
+    calibration = _calibration(request)
     key = build_key(_cache_inputs(request, source_sha256(source), calibration))
     artifact_id = Store(request.store_dir).lookup(key)
     if artifact_id is None:
@@ -98,14 +102,14 @@ def _build(request: BuildRequest, progress: BuildProgress, started: float) -> Bu
     source = open_source(request.source_dir)
     progress.stage(f"hashing source {source.path}")
     source_id = source_sha256(source)
-    calibration = awq.read_calibration(request.awq) if request.awq else None
+    calibration = _calibration(request)
     key = build_key(_cache_inputs(request, source_id, calibration))
     store = Store(request.store_dir)
     if request.use_cache and (artifact_id := store.lookup(key)):
         return _cached(request, store, artifact_id, started)
     with store.staging() as staged:
         if request.format == "gguf":
-            written = _write_gguf(source, request, staged, progress)
+            written = _write_gguf(source, request, staged, progress, calibration)
         else:
             written = _write_weights(source, request, staged, progress, calibration)
             copy_files(source.path, source.copy_files, staged)
@@ -125,6 +129,15 @@ def _build(request: BuildRequest, progress: BuildProgress, started: float) -> Bu
     )
 
 
+def _calibration(request: BuildRequest) -> awq.Calibration | None:
+    """The calibration text the build reads (AWQ's, or llama.cpp's importance matrix's), checked."""
+    if request.awq is not None:
+        return awq.read_calibration(request.awq)
+    if request.llama_quant is not None and request.llama_quant.uses_imatrix:
+        return awq.read_calibration(AwqSpec(request.llama_quant.calibration))
+    return None
+
+
 def _cache_inputs(
     request: BuildRequest, source_id: str, calibration: awq.Calibration | None = None
 ) -> dict[str, Any]:
@@ -142,6 +155,11 @@ def _cache_inputs(
     if request.format == "gguf":
         # Both shape the bytes: the tensor types, and the gate's figures in the manifest.
         formats |= {"gguf_int4": request.gguf_int4, "gate_runtime": _gguf_gate_runtime()}
+    if request.llama_quant is not None:
+        from deployer.build.llama_quant import quantizer_version
+
+        # Another llama.cpp may round differently: its version is an input too.
+        formats["gguf_type"] = {"type": request.llama_quant.type, "llama_cpp": quantizer_version()}
     if calibration is not None and gate is not None and calibration.sha256 == eval_sha256:
         raise BuildError(
             f"{calibration.path}: model.quantization.calibration is the same text as "
@@ -149,7 +167,9 @@ def _cache_inputs(
             hint="calibrate and evaluate on different texts: the gate must score text the "
             "quantizer never saw",
         )
-    awq_inputs = {"awq": {"calibration_sha256": calibration.sha256}} if calibration else {}
+    # The calibration text shapes AWQ's scales or llama.cpp's importance matrix.
+    calibrated = "awq" if request.awq else "imatrix"
+    awq_inputs = {calibrated: {"calibration_sha256": calibration.sha256}} if calibration else {}
     return {
         **formats,
         **awq_inputs,
@@ -179,7 +199,7 @@ def _cached(request: BuildRequest, store: Store, artifact_id: str, started: floa
     if request.gate and manifest.quality:
         bits = quality.bits_per_weight(manifest.tensors, module_quants(manifest))
         report = quality.apply_limits(quality.report_from_manifest(manifest.quality, bits), request.gate)
-        quality.enforce(report, request.quant.label)
+        quality.enforce(report, request.label)
     return BuildResult(
         artifact_dir=artifact_dir,
         artifact_id=artifact_id,
@@ -225,7 +245,7 @@ def _write_weights(
         len(writer.records),
         writer.size,
         lambda: nullcontext(ArtifactWeights(staged, modules)),
-        awq=None if folds is None or calibration is None else _awq_record(calibration, folds),
+        spec={} if folds is None or calibration is None else {"awq": _awq_record(calibration, folds)},
     )
 
 
@@ -235,16 +255,35 @@ def _awq_record(calibration: awq.Calibration, folds: awq.Folds) -> dict[str, Any
 
 
 def _write_gguf(
-    source: SourceModel, request: BuildRequest, staged: Path, progress: BuildProgress
+    source: SourceModel,
+    request: BuildRequest,
+    staged: Path,
+    progress: BuildProgress,
+    calibration: awq.Calibration | None,
 ) -> _Written:
     """The weights, tokenizer and chat template as one GGUF file (for `agent.engine: llama.cpp`),
-    gated through llama.cpp itself when it is installed."""
+    gated through llama.cpp itself when it is installed. With `gguf_type`, our writer makes the
+    f16 GGUF and llama.cpp's quantizer the artifact's."""
     from deployer.build.gguf_writer import GGUF_NAME, GGUFWeights, plan_gguf, write_gguf
 
     plans = plan_gguf(source, request.quant, int4_type=request.gguf_int4)
     path = staged / GGUF_NAME
-    progress.stage(f"writing GGUF ({request.quant.label}) from {source.path}")
-    records = write_gguf(source, path, plans, name=request.name, version=request.version, progress=progress)
+    spec: dict[str, Any] = {}
+    if request.llama_quant is None:
+        progress.stage(f"writing GGUF ({request.quant.label}) from {source.path}")
+        records = write_gguf(
+            source, path, plans, name=request.name, version=request.version, progress=progress
+        )
+    else:
+        work = staged / ".llama-quant"  # the f16 GGUF: not part of the artifact
+        work.mkdir()
+        try:
+            progress.stage(f"writing the {request.quant.label} GGUF for llama.cpp's quantizer")
+            f16 = work / "source.gguf"
+            write_gguf(source, f16, plans, name=request.name, version=request.version, progress=progress)
+            records, spec = _llama_quantize(request, source, plans, (f16, path), calibration, progress)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     runtime = _gguf_gate_runtime()
 
     def quantized() -> AbstractContextManager[quality.Quantized]:
@@ -252,7 +291,35 @@ def _write_gguf(
             return quality.llama_cpp_scorer(path, quality.window(source))
         return nullcontext(GGUFWeights(path, plans))
 
-    return _Written({}, records, len(records), path.stat().st_size, quantized, runtime)
+    return _Written({}, records, len(records), path.stat().st_size, quantized, runtime, spec)
+
+
+def _llama_quantize(
+    request: BuildRequest,
+    source: SourceModel,
+    plans: list[GGUFTensorPlan],
+    paths: tuple[Path, Path],
+    calibration: awq.Calibration | None,
+    progress: BuildProgress,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The f16 GGUF `paths[0]` quantized by llama.cpp to `paths[1]` per `request.llama_quant`:
+    the tensor records and the manifest's `quantization.spec.gguf` (the type; the importance
+    matrix's sha256, token count and calibration's sha256)."""
+    from deployer.build import llama_quant
+
+    wanted = request.llama_quant
+    if wanted is None:
+        raise BuildError("internal: _llama_quantize without gguf_type")
+    imatrix, record = None, None
+    if calibration is not None:
+        progress.stage(f"importance matrix on {calibration.path.name}")
+        imatrix = llama_quant.compute_imatrix(source, plans, calibration, progress.stage)
+        record = {"sha256": imatrix.sha256, "tokens": imatrix.tokens}
+        record["calibration_sha256"] = calibration.sha256
+    progress.stage(f"llama.cpp's quantizer: {wanted.type}{' with the importance matrix' if imatrix else ''}")
+    f16, out = paths
+    llama_quant.quantize(f16, out, wanted.type, imatrix, llama_quant.threads())
+    return llama_quant.gguf_records(out), {"gguf": {"type": wanted.type, "imatrix": record}}
 
 
 def _gguf_gate_runtime() -> str:
@@ -279,7 +346,7 @@ def _gate(
     with written.quantized() as quantized:
         measured = quality.measure(source, quantized, request.gate, written.bits_per_weight)
         report = quality.apply_limits(measured, request.gate)
-    quality.enforce(report, request.quant.label)
+    quality.enforce(report, request.label)
     return report
 
 
@@ -301,7 +368,7 @@ def _manifest(
         },
         "source": {"sha256": source_id},
         "quantization": {
-            "spec": {**request.quant.to_json(), **({"awq": written.awq} if written.awq else {})},
+            "spec": {**request.quant.to_json(), **written.spec},
             "modules": {m: q.to_json() for m, q in sorted(written.modules.items())},
         },
         "files": files,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deployer.build.spec import AwqSpec, BuildRequest, GateSpec, Override, QuantSpec
+from deployer.build.spec import AwqSpec, BuildRequest, GateSpec, LlamaQuantSpec, Override, QuantSpec
 from deployer.build.store import STORE_DIRNAME
 
 if TYPE_CHECKING:
@@ -27,6 +27,12 @@ def request_from_config(config: Config, *, use_cache: bool = True) -> BuildReque
         group_size=quant.group_size,
         overrides=tuple(Override(o.pattern, o.scheme, o.group_size) for o in quant.overrides),
     )
+    llama_quant = None
+    if quant.gguf_type is not None and config.agent.engine == "llama.cpp":
+        # llama.cpp's quantizer starts from an f16 GGUF, as its convert script writes by default.
+        spec = QuantSpec("fp16")
+        calibration = config.resolve(quant.calibration) if quant.calibration else None
+        llama_quant = LlamaQuantSpec(quant.gguf_type, quant.imatrix, calibration)
     gate = None
     if model.quality_gate is not None:
         g = model.quality_gate
@@ -49,4 +55,5 @@ def request_from_config(config: Config, *, use_cache: bool = True) -> BuildReque
         format="gguf" if config.agent.engine == "llama.cpp" else "safetensors",
         gguf_int4=quant.gguf_int4,
         awq=awq,
+        llama_quant=llama_quant,
     )

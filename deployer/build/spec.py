@@ -17,6 +17,10 @@ SCHEMES = FLOAT_SCHEMES + INTEGER_SCHEMES
 PRESETS = ("layered",)
 FORMATS = ("safetensors", "gguf")  # gguf: one GGUF file for the llama.cpp engine
 GGUF_INT4_TYPES = ("Q4_1", "Q4_0")  # what int4 weights become in a GGUF (Q4_1 first: the default)
+# Whole-model recipes of llama.cpp's own quantizer (llama-quantize's names), for `gguf_type`.
+LLAMA_QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
+# Those whose quantizer weighs rounding errors by an importance matrix (Q8_0's ignores it).
+IMATRIX_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K")
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 128
 
@@ -97,6 +101,29 @@ class AwqSpec:
 
 
 @dataclass(frozen=True)
+class LlamaQuantSpec:
+    """A GGUF quantized by llama.cpp's own quantizer to `type` from an f16 GGUF, weighing each
+    column by an importance matrix computed on `calibration` (None: the text shipped with the
+    package) unless `imatrix` is False or the type ignores one."""
+
+    type: str
+    imatrix: bool = True
+    calibration: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in LLAMA_QUANT_TYPES:
+            raise BuildError(
+                f"model.quantization.gguf_type: unknown type {self.type!r}",
+                hint=f"use one of {', '.join(LLAMA_QUANT_TYPES)}",
+            )
+
+    @property
+    def uses_imatrix(self) -> bool:
+        """True when an importance matrix is computed and given to the quantizer."""
+        return self.imatrix and self.type in IMATRIX_TYPES
+
+
+@dataclass(frozen=True)
 class GateSpec:
     """The quality gate: an eval text, how many of its tokens to use, and the limits."""
 
@@ -116,7 +143,9 @@ class GateSpec:
 @dataclass(frozen=True)
 class BuildRequest:
     """Everything one build needs. `store_dir` is the content-addressed store (.sits/store);
-    `gguf_int4` is the GGUF type of int4 weights (format gguf only)."""
+    `gguf_int4` is the GGUF type of int4 weights (format gguf only); `llama_quant`, when given,
+    has llama.cpp's quantizer make the whole GGUF instead (format gguf only; `quant` is then
+    the f16 GGUF it starts from)."""
 
     source_dir: Path
     name: str
@@ -128,6 +157,7 @@ class BuildRequest:
     format: str = "safetensors"
     gguf_int4: str = GGUF_INT4_TYPES[0]
     awq: AwqSpec | None = None
+    llama_quant: LlamaQuantSpec | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -144,12 +174,31 @@ class BuildRequest:
                 "artifacts, not GGUF",
                 hint="remove `awq: true`, or use agent.engine: torch",
             )
+        if self.llama_quant is not None and self.format != "gguf":
+            raise BuildError(
+                "model.quantization.gguf_type: llama.cpp's quantizer makes GGUF artifacts only",
+                hint="remove gguf_type, or use agent.engine: llama.cpp",
+            )
+        if self.llama_quant is not None and (self.quant.scheme not in FLOAT_SCHEMES or self.quant.overrides):
+            raise BuildError(
+                f"model.quantization.gguf_type: llama.cpp's quantizer starts from a float GGUF, "
+                f"not {self.quant.label}",
+                hint="with gguf_type, leave scheme, group_size and overrides out",
+            )
+
+    @property
+    def label(self) -> str:
+        """A short name of the quantization for messages and tables, e.g. "int4-g128", "Q4_K_M"."""
+        return self.llama_quant.type if self.llama_quant else self.quant.label
 
     @property
     def format_version(self) -> int:
         """The artifact format this request needs: 2 for int4 weights (fp16 zero points) or
-        AWQ in a safetensors artifact, else 1 (readable by agents that know only format 1)."""
+        AWQ in a safetensors artifact, or for a GGUF of llama.cpp's quantizer (its manifest
+        records the recipe), else 1 (readable by agents that know only format 1)."""
         if self.format == "safetensors" and (self.quant.uses_int4 or self.awq is not None):
+            return FORMAT_VERSION
+        if self.llama_quant is not None:
             return FORMAT_VERSION
         return 1
 

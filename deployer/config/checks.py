@@ -246,14 +246,15 @@ def _model_findings(given: CheckInput) -> tuple[ModelShape | None, list[Finding]
 
 
 def _calibration_findings(given: CheckInput, model: ModelSpec) -> list[Finding]:
-    """The calibration text of `awq`: used only with awq, a readable UTF-8 text long enough for
-    the scale search, and not the quality gate's eval text (the gate must score unseen text)."""
+    """The calibration text of `awq` or of llama.cpp's importance matrix: used only with them, a
+    readable UTF-8 text long enough, and not the quality gate's eval text (the gate must score
+    unseen text)."""
     quant, gate = model.quantization, model.quality_gate
     at = ("model", "quantization", "calibration")
-    if quant.calibration is not None and not quant.awq:
-        hint = "set awq: true, or remove calibration"
-        return [given.positions.finding(at, "calibration is used only with awq: true", hint)]
-    if not quant.awq:
+    if quant.calibration is not None and not (quant.awq or quant.uses_imatrix):
+        hint = "set awq: true (torch) or gguf_type: Q4_K_M (llama.cpp), or remove calibration"
+        return [given.positions.finding(at, "calibration is used only with awq or a K-quant gguf_type", hint)]
+    if not (quant.awq or quant.uses_imatrix):
         return []
     path = given.resolve(quant.calibration) if quant.calibration else DEFAULT_CALIBRATION
     if not path.is_file():
@@ -303,6 +304,7 @@ def _engine_findings(given: CheckInput) -> list[Finding]:
                 "remove it, or use agent.engine: llama.cpp with int4 weights (scheme int4 or layered)",
             )
         )
+    findings += _gguf_type_findings(given, quant, llama_cpp)
     if quant.awq and llama_cpp:
         findings.append(
             given.positions.finding(
@@ -319,7 +321,39 @@ def _engine_findings(given: CheckInput) -> list[Finding]:
             f"set group_size: {GGUF_BLOCK}, use int8/fp16, or set agent.engine: torch",
         )
         for path, size in uses
-        if llama_cpp and size != GGUF_BLOCK
+        if llama_cpp and size != GGUF_BLOCK and quant.gguf_type is None
+    ]
+
+
+def _gguf_type_findings(given: CheckInput, quant: Quantization, llama_cpp: bool) -> list[Finding]:
+    """`gguf_type` hands the whole GGUF to llama.cpp's quantizer: it needs the llama.cpp engine,
+    and the settings of our own quantizer beside it would be silently ignored."""
+    at = ("model", "quantization")
+    if quant.gguf_type is None:
+        if "imatrix" not in quant.model_fields_set:
+            return []
+        return [
+            given.positions.finding(
+                (*at, "imatrix"), "imatrix is not used: no gguf_type", "remove it, or set gguf_type: Q4_K_M"
+            )
+        ]
+    if not llama_cpp:
+        return [
+            given.positions.finding(
+                (*at, "gguf_type"),
+                "gguf_type is not used: agent.engine is not llama.cpp",
+                "remove it, or set agent.engine: llama.cpp",
+            )
+        ]
+    ignored = ("scheme", "group_size", "overrides", "gguf_int4")
+    return [
+        given.positions.finding(
+            (*at, key),
+            f"{key} is not used: gguf_type {quant.gguf_type} picks every tensor's type",
+            f"remove {key}, or remove gguf_type to quantize with scheme",
+        )
+        for key in ignored
+        if key in quant.model_fields_set
     ]
 
 

@@ -23,6 +23,10 @@ from deployer.config.models import AgentSettings, ModelSpec, Quantization
 ENGINE_OVERHEAD = {"torch": 384 * 2**20, "llama.cpp": 128 * 2**20}
 TORCH_LOAD_BYTES_PER_PARAM = 8
 _FLOAT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
+# Bytes a weight of llama.cpp's recipes (`gguf_type`), embeddings included: the main type's
+# blocks, rounded up for the tensors each recipe keeps wider (Q6_K output head, some ffn_down)
+# and for rows that are not whole K-quant blocks of 256 (SmolLM2's 576: Q4_K_M measured 5.5 bits).
+_GGUF_TYPE_BYTES = {"Q4_K_M": 0.70, "Q5_K_M": 0.78, "Q6_K": 0.85, "Q8_0": 1.07}
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ def weight_bytes(shape: ModelShape, quantization: Quantization) -> int:
     attention = _bytes_per_param(quantization, "model.layers.0.self_attn.q_proj")
     mlp = _bytes_per_param(quantization, "model.layers.0.mlp.up_proj")
     embedding = _FLOAT_BYTES.get(quantization.scheme, 2.0)
+    if quantization.gguf_type is not None:
+        attention = mlp = embedding = _GGUF_TYPE_BYTES[quantization.gguf_type]
     total = (
         shape.embedding_params * embedding
         + shape.layers * (shape.attention_params * attention + shape.mlp_params * mlp)

@@ -64,6 +64,9 @@ ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 Scheme = Literal["fp32", "fp16", "bf16", "int8", "int4", "layered"]
 GroupSize = Literal[32, 64, 128]
 GGUFInt4 = Literal["Q4_1", "Q4_0"]  # the gguf package quantizes these two 4-bit types (not the K-quants)
+# llama.cpp's own quantizer's whole-model recipes (deployer/build/spec.py: LLAMA_QUANT_TYPES).
+GGUFType = Literal["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"]
+IMATRIX_GGUF_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K")  # those whose quantizer reads an importance matrix
 StrategyType = Literal["all-at-once", "rolling", "canary", "blue-green"]
 STRATEGY_TYPES: tuple[str, ...] = ("all-at-once", "rolling", "canary", "blue-green")
 # bandwidth.max_in_flight: at least one SFTP write request (32 KiB); at most what a resume may send
@@ -209,6 +212,12 @@ class Quantization(_Model):
     ``gguf_int4`` picks the GGUF type of int4 weights for ``agent.engine: llama.cpp``: Q4_1
     (asymmetric, with a per-block minimum, like the torch engine's int4) or Q4_0 (symmetric:
     10% smaller, a little less accurate).
+
+    ``gguf_type`` (``agent.engine: llama.cpp`` only) has llama.cpp's own quantizer make the GGUF
+    from an f16 one, with its per-tensor recipe: Q4_K_M, Q5_K_M, Q6_K or Q8_0 (``scheme``,
+    ``group_size``, ``overrides`` and ``gguf_int4`` then do not apply). The K-quants weigh
+    rounding errors by an importance matrix computed on ``calibration`` (default: the shipped
+    text) unless ``imatrix: false``.
     """
 
     scheme: Scheme = "int8"
@@ -217,6 +226,13 @@ class Quantization(_Model):
     awq: bool = False
     calibration: FilePath | None = None
     gguf_int4: GGUFInt4 = "Q4_1"
+    gguf_type: GGUFType | None = None
+    imatrix: bool = True
+
+    @property
+    def uses_imatrix(self) -> bool:
+        """True when llama.cpp's quantizer is given an importance matrix (so a calibration text)."""
+        return self.imatrix and self.gguf_type in IMATRIX_GGUF_TYPES
 
     def scheme_for(self, module: str) -> tuple[Scheme, int]:
         """(scheme, group size) of a linear module such as 'model.layers.0.mlp.up_proj'.

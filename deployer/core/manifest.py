@@ -23,8 +23,9 @@ from deployer.errors import FormatError
 
 MANIFEST_NAME = "sits-manifest.json"
 # 2: int4 zero points are fp16 (exact-range int4) and the spec may record activation-aware
-# scaling. The builder writes 2 only where an artifact needs it (int4 weights or AWQ in a
-# safetensors artifact), so other artifacts stay readable by agents that know only 1.
+# scaling or llama.cpp's quantizer. The builder writes 2 only where an artifact needs it (int4
+# weights or AWQ in a safetensors artifact, a `gguf_type` GGUF), so other artifacts stay
+# readable by agents that know only 1.
 FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
@@ -68,20 +69,38 @@ class AwqInfo(_Strict):
     tokens: int = Field(ge=1)
 
 
+class ImatrixInfo(_Strict):
+    """The importance matrix llama.cpp's quantizer weighed rounding errors by: its digest, and
+    the calibration text (and how many of its tokens) it was computed on."""
+
+    sha256: str = Field(pattern=SHA256_PATTERN)
+    tokens: int = Field(ge=1)
+    calibration_sha256: str = Field(pattern=SHA256_PATTERN)
+
+
+class GgufInfo(_Strict):
+    """A GGUF made by llama.cpp's own quantizer (format 2): its recipe, and the matrix if any."""
+
+    type: Literal["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"]
+    imatrix: ImatrixInfo | None
+
+
 class SpecInfo(_Strict):
-    """The quantization spec, as asked (presets not expanded); `awq` only in format 2, and
-    absent (not null) when not used, so format 1 manifests keep their bytes."""
+    """The quantization spec, as asked (presets not expanded); `awq` and `gguf` only in format 2,
+    and absent (not null) when not used, so format 1 manifests keep their bytes."""
 
     scheme: str
     group_size: int
     overrides: list[OverrideInfo]
     awq: AwqInfo | None = None
+    gguf: GgufInfo | None = None
 
     @model_serializer(mode="wrap")
-    def _omit_unused_awq(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _omit_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if data.get("awq") is None:
-            data.pop("awq", None)
+        for key in ("awq", "gguf"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -181,11 +200,13 @@ def parse_manifest(data: bytes, where: str) -> ArtifactManifest:
             f"{where}: invalid manifest at {loc or '<root>'}: {first['msg']}",
             hint="the artifact is corrupt or from an incompatible builder; rebuild it",
         ) from exc
-    if manifest.format_version == 1 and manifest.quantization.spec.awq is not None:
-        raise FormatError(
-            f"{where}: invalid manifest: quantization.spec.awq needs format_version 2",
-            hint="the artifact is corrupt or from an incompatible builder; rebuild it",
-        )
+    spec = manifest.quantization.spec
+    for key, value in (("awq", spec.awq), ("gguf", spec.gguf)):
+        if manifest.format_version == 1 and value is not None:
+            raise FormatError(
+                f"{where}: invalid manifest: quantization.spec.{key} needs format_version 2",
+                hint="the artifact is corrupt or from an incompatible builder; rebuild it",
+            )
     return manifest
 
 
