@@ -43,6 +43,7 @@ class Device:
 
     index: int
     workdir: Path
+    arch: str = "x86_64"  # what `uname -m` prints inside; another than the host's runs under qemu
 
     @property
     def name(self) -> str:
