@@ -16,13 +16,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.lab import netns
+from tests.lab import emulation, netns
 from tests.lab.proc import LabError, children, comm, pid_alive, sh
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_GROUP = "sllab"
 PROPAGATE_DIR = Path("/run/systemd/nspawn/propagate")
 STOP_TIMEOUT_S = 20
+# Under qemu user-mode emulation systemd cannot set up a unit's credentials ("Failed to set up
+# credentials: Invalid argument", exit 243/CREDENTIALS), so every unit naming LoadCredential=
+# (systemd-sysusers, -tmpfiles-setup, -sysctl) fails and the device boots degraded. The lab passes
+# no credentials, so an emulated device drops them from every service (an empty value resets).
+EMULATED_DROP_IN = ("etc/systemd/system/service.d/sits-lab-emulated.conf", "[Service]\nLoadCredential=\n")
 # Restarts nspawn while it exits 133 (`systemctl reboot` inside) and forwards SIGTERM to it, which
 # nspawn turns into a clean poweroff of the container.
 SUPERVISOR = r"""
@@ -98,6 +103,10 @@ def prepare(device: Device, rootfs: Path, client_pub: Path) -> str:
         (device.root / "etc/machine-id").write_text(sh(["systemd-id128", "new"]))
         (device.root / "etc/hostname").write_text(device.name + "\n")
         sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", device.name, "-f", str(host_key)])
+    if emulation.is_foreign(device.arch):
+        drop_in = device.root / EMULATED_DROP_IN[0]
+        drop_in.parent.mkdir(parents=True, exist_ok=True)
+        drop_in.write_text(EMULATED_DROP_IN[1])
     ssh_dir = device.root / "root/.ssh"
     ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     authorized = ssh_dir / "authorized_keys"
