@@ -23,11 +23,19 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_GROUP = "sllab"
 PROPAGATE_DIR = Path("/run/systemd/nspawn/propagate")
 STOP_TIMEOUT_S = 20
-# Under qemu user-mode emulation systemd cannot set up a unit's credentials ("Failed to set up
-# credentials: Invalid argument", exit 243/CREDENTIALS), so every unit naming LoadCredential=
-# (systemd-sysusers, -tmpfiles-setup, -sysctl) fails and the device boots degraded. The lab passes
-# no credentials, so an emulated device drops them from every service (an empty value resets).
-EMULATED_DROP_IN = ("etc/systemd/system/service.d/sits-lab-emulated.conf", "[Service]\nLoadCredential=\n")
+# Two things break under qemu user-mode emulation, so every service of an emulated device gets a
+# drop-in. systemd cannot set up a unit's credentials ("Failed to set up credentials: Invalid
+# argument", 243/CREDENTIALS): the units naming LoadCredential= (systemd-sysusers, -tmpfiles-setup,
+# -sysctl) fail and the device boots degraded; the lab passes none, and an empty value resets them.
+# And torch's cpuinfo reads the host's x86-64 CPU topology under /sys/devices/system/cpu and
+# segfaults (qemu: uncaught target signal 11) on `import torch`; with an empty tmpfs there it only
+# warns, as in a chroot without /sys. sshd is a service too, so commands over SSH see the same.
+EMULATED_DROP_IN = (
+    "etc/systemd/system/service.d/sits-lab-emulated.conf",
+    "[Service]\nLoadCredential=\nTemporaryFileSystem=/sys/devices/system/cpu:ro\n",
+)
+# A command prefix for Lab.nsenter that runs a command as a transient service, with that drop-in.
+AS_SERVICE = ("systemd-run", "--wait", "--pipe", "-q")
 # Restarts nspawn while it exits 133 (`systemctl reboot` inside) and forwards SIGTERM to it, which
 # nspawn turns into a clean poweroff of the container.
 SUPERVISOR = r"""
