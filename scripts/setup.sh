@@ -11,8 +11,10 @@ PYTHON="${PYTHON:-python3}"
 
 # Debian packages the tests and benchmarks use: xdelta3/zstd (delta anchors in bench/),
 # systemd-container/debootstrap/iproute2/openssh-client (the device lab in tests/lab/),
+# qemu-user-static/binfmt-support (the lab's aarch64 device, emulated: tests/lab/emulation.py),
 # systemd (systemd-analyze verify for our units), nginx (serves published channels in tests/pull/).
-APT_PACKAGES=(python3-venv xdelta3 zstd systemd systemd-container debootstrap openssh-client iproute2 nginx)
+APT_PACKAGES=(python3-venv xdelta3 zstd systemd systemd-container debootstrap openssh-client iproute2
+    qemu-user-static binfmt-support nginx)
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from tests.lab import emulation
 from tests.lab.lab import Lab, load, reap
 from tests.lab.proc import LabError
 
@@ -22,13 +23,23 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="build (if needed) and boot the devices")
     up.add_argument("-n", "--devices", type=int, default=3)
     up.add_argument("--ttl", type=float, default=1800, help="seconds until the lab tears itself down")
+    up.add_argument(
+        "--arm64",
+        type=int,
+        default=0,
+        metavar="K",
+        help="the last K of the devices are aarch64, under qemu emulation (first build: 15-25 minutes)",
+    )
     sub.add_parser("down", help="tear the lab down, guard route last")
     sub.add_parser("status", help="one JSON line per device")
     sub.add_parser("reap", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            lab = Lab(args.workdir, args.devices)
+            if not 0 <= args.arm64 <= args.devices:
+                raise LabError(f"--arm64 {args.arm64}: give 0 to {args.devices} (the lab's device count)")
+            host = (emulation.host_arch(),) * (args.devices - args.arm64)
+            lab = Lab(args.workdir, args.devices, arches=(*host, *("aarch64",) * args.arm64))
             report = lab.up(ttl_s=args.ttl)
             print(
                 f"[lab] {report.devices} devices running: rootfs {report.rootfs_s:.1f} s, "

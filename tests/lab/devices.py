@@ -16,13 +16,26 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.lab import netns
+from tests.lab import emulation, netns
 from tests.lab.proc import LabError, children, comm, pid_alive, sh
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_GROUP = "sllab"
 PROPAGATE_DIR = Path("/run/systemd/nspawn/propagate")
 STOP_TIMEOUT_S = 20
+# Two things break under qemu user-mode emulation, so every service of an emulated device gets a
+# drop-in. systemd cannot set up a unit's credentials ("Failed to set up credentials: Invalid
+# argument", 243/CREDENTIALS): the units naming LoadCredential= (systemd-sysusers, -tmpfiles-setup,
+# -sysctl) fail and the device boots degraded; the lab passes none, and an empty value resets them.
+# And torch's cpuinfo reads the host's x86-64 CPU topology under /sys/devices/system/cpu and
+# segfaults (qemu: uncaught target signal 11) on `import torch`; with an empty tmpfs there it only
+# warns, as in a chroot without /sys. sshd is a service too, so commands over SSH see the same.
+EMULATED_DROP_IN = (
+    "etc/systemd/system/service.d/sits-lab-emulated.conf",
+    "[Service]\nLoadCredential=\nTemporaryFileSystem=/sys/devices/system/cpu:ro\n",
+)
+# A command prefix for Lab.nsenter that runs a command as a transient service, with that drop-in.
+AS_SERVICE = ("systemd-run", "--wait", "--pipe", "-q")
 # Restarts nspawn while it exits 133 (`systemctl reboot` inside) and forwards SIGTERM to it, which
 # nspawn turns into a clean poweroff of the container.
 SUPERVISOR = r"""
@@ -43,6 +56,7 @@ class Device:
 
     index: int
     workdir: Path
+    arch: str = "x86_64"  # what `uname -m` prints inside; another than the host's runs under qemu
 
     @property
     def name(self) -> str:
@@ -97,6 +111,10 @@ def prepare(device: Device, rootfs: Path, client_pub: Path) -> str:
         (device.root / "etc/machine-id").write_text(sh(["systemd-id128", "new"]))
         (device.root / "etc/hostname").write_text(device.name + "\n")
         sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", device.name, "-f", str(host_key)])
+    if emulation.is_foreign(device.arch):
+        drop_in = device.root / EMULATED_DROP_IN[0]
+        drop_in.parent.mkdir(parents=True, exist_ok=True)
+        drop_in.write_text(EMULATED_DROP_IN[1])
     ssh_dir = device.root / "root/.ssh"
     ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     authorized = ssh_dir / "authorized_keys"

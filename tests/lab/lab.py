@@ -16,13 +16,13 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.lab import devices, netns, rootfs
+from tests.lab import devices, emulation, netns, rootfs
 from tests.lab.devices import Device
 from tests.lab.proc import LabError, pid_alive, sh
 
@@ -31,6 +31,7 @@ ACTIVE = Path("/run/sits-lab.json")  # which workdir holds the running lab: name
 LOCK = Path("/run/sits-lab.lock")
 TOOLS = ("ip", "systemd-nspawn", "nsenter", "ssh-keygen", "systemd-id128", "mount")
 BOOT_TIMEOUT_S = 60
+EMULATED_BOOT_S = 240  # more per device under qemu: systemd and sshd key checks run emulated
 # What `Lab.reset` runs on a device: stop and forget our units, then remove everything we wrote
 # except the agent's runtime (bootstrap's venv and its wheel record), which loses only our package.
 RESET_SCRIPT = (
@@ -53,15 +54,32 @@ class UpReport:
 
 
 class Lab:
-    """The lab in `workdir` with `count` devices (dev1..devN at 10.77.1.11...)."""
+    """The lab in `workdir` with `count` devices (dev1..devN at 10.77.1.11...).
 
-    def __init__(self, workdir: Path, count: int = 3, cache: Path = rootfs.CACHE) -> None:
+    `arches` names each device's architecture (`uname -m`), in order; by default all are the host's.
+    A device of another architecture (aarch64 on an x86-64 host) boots its own Debian tree under
+    qemu user-mode emulation: correct, but about 10-20 times slower.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        count: int = 3,
+        cache: Path = rootfs.CACHE,
+        arches: Sequence[str] | None = None,
+    ) -> None:
         if not 1 <= count <= 200:
             raise LabError(f"a lab has 1 to 200 devices, not {count}")
+        arches = tuple(arches) if arches is not None else (emulation.host_arch(),) * count
+        if len(arches) != count:
+            raise LabError(f"arches names {len(arches)} architectures for {count} devices")
+        for arch in set(arches):
+            emulation.debian_arch(arch)  # refuses an architecture the lab has no recipe for
         self.workdir = workdir.resolve()
         self.count = count
         self.cache = cache
-        self.devices = [Device(i, self.workdir) for i in range(1, count + 1)]
+        self.arches = arches
+        self.devices = [Device(i, self.workdir, arch) for i, arch in enumerate(arches, start=1)]
 
     @property
     def known_hosts(self) -> Path:
@@ -80,6 +98,10 @@ class Lab:
     def device(self, index: int) -> Device:
         """Device `index` (1-based)."""
         return self.devices[index - 1]
+
+    def indices(self, arch: str) -> list[int]:
+        """The indices of the devices of architecture `arch`."""
+        return [d.index for d in self.devices if d.arch == arch]
 
     def up(self, *, ttl_s: float = 1800, owner_pid: int | None = None) -> UpReport:
         """Bring the lab up; on any failure tear down what was made and raise LabError."""
@@ -116,6 +138,7 @@ class Lab:
                 {
                     "device": device.name,
                     "address": device.address,
+                    "arch": device.arch,
                     "running": running,
                     "state": state,
                     "link_up": netns.netns_exists(device.netns) and _link_up(device),
@@ -166,18 +189,20 @@ class Lab:
 
     def _build_and_boot(self) -> UpReport:
         started = time.monotonic()
-        template = rootfs.ensure_rootfs(self.cache)
+        templates = {arch: rootfs.ensure_rootfs(self.cache, arch=arch) for arch in sorted(set(self.arches))}
         rootfs_s = time.monotonic() - started
         _raise_inotify_limits()
         self._make_client_key()
         netns.create_hub()
         started = time.monotonic()
-        lines = [devices.prepare(d, template, self.client_key.with_suffix(".pub")) for d in self.devices]
+        key = self.client_key.with_suffix(".pub")
+        lines = [devices.prepare(d, templates[d.arch], key) for d in self.devices]
         self.known_hosts.write_text("".join(lines))
         for device in self.devices:
             devices.start(device)
         spawn_s = time.monotonic() - started
-        deadline = time.monotonic() + BOOT_TIMEOUT_S + 2 * self.count
+        emulated = sum(emulation.is_foreign(arch) for arch in self.arches)
+        deadline = time.monotonic() + BOOT_TIMEOUT_S + 2 * self.count + EMULATED_BOOT_S * emulated
         for device in self.devices:
             devices.wait_running(device, deadline)
         return UpReport(rootfs_s, spawn_s, time.monotonic() - started - spawn_s, self.count)
@@ -211,7 +236,13 @@ class Lab:
 
     def _write_state(self, *, deadline: float, owner_pid: int | None) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        state = {"count": self.count, "deadline": deadline, "owner_pid": owner_pid, "cache": str(self.cache)}
+        state = {
+            "count": self.count,
+            "arches": self.arches,
+            "deadline": deadline,
+            "owner_pid": owner_pid,
+            "cache": str(self.cache),
+        }
         self.state_file.write_text(json.dumps(state) + "\n")
         ACTIVE.write_text(json.dumps({"workdir": str(self.workdir)}) + "\n")
 
@@ -236,7 +267,7 @@ def reap(workdir: Path, poll_s: float = 1.0) -> None:
         why = _stale_reason(state)
         if why:
             print(f"[lab] reaping {workdir}: {why}", flush=True)
-            Lab(workdir, state["count"], Path(state["cache"])).down()
+            _from_state(workdir, state).down()
             return
         time.sleep(poll_s)
 
@@ -265,7 +296,12 @@ def load(workdir: Path) -> Lab:
         state = json.loads((workdir / "lab.json").read_text())
     except (OSError, ValueError) as exc:
         raise LabError(f"no lab is up in {workdir}") from exc
-    return Lab(workdir, state["count"], Path(state["cache"]))
+    return _from_state(workdir, state)
+
+
+def _from_state(workdir: Path, state: dict[str, Any]) -> Lab:
+    # A state file written before labs had arches holds only host-architecture devices.
+    return Lab(workdir, state["count"], Path(state["cache"]), state.get("arches"))
 
 
 def _check_host() -> None:
@@ -287,7 +323,7 @@ def _refuse_other_lab(workdir: Path) -> None:
     if state and why:
         # Its reaper died with it (a killed CI job, a stopped machine): finish the teardown it began.
         print(f"[lab] taking down the stale lab in {active}: {why}", flush=True)
-        Lab(active, state["count"], Path(state["cache"]))._down_locked()
+        _from_state(active, state)._down_locked()
         return
     if active != workdir and state:
         raise LabError(f"another lab is up in {active}; run `python -m tests.lab down --workdir {active}`")
