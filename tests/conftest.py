@@ -125,6 +125,7 @@ LONG = (
     "tests/agent/http/test_systemd_lifecycle.py",
     "tests/agent/ota/test_agent_cli.py::test_install_reload_rollback_through_a_running_server",
     "tests/agent/ota/test_agent_cli.py::test_install_status_rollback_gc_without_a_server",
+    "tests/agent/ota/test_bundle.py::test_the_bundle_command_carries_the_agents_wheels_and_install_from_upgrades_the_agent",
     "tests/agent/ota/test_crash_safety.py::test_kill_at_each_step[recovered]",
     "tests/agent/ota/test_crash_safety.py::test_kill_at_each_step[staged]",
     "tests/agent/ota/test_crash_safety.py::test_kill_at_each_step[verified]",
