@@ -164,6 +164,7 @@ LONG = (
     "tests/pull/test_pull_promote.py",
     "tests/pull/test_pull_provision.py::test_apply_provisions_pull_mode_then_the_device_polls_by_itself",
     "tests/pull/test_pull_s3.py",
+    "tests/push/test_agent_service.py::test_restart_replaces_the_background_agent_and_stop_ends_it",
     "tests/push/test_reimaged.py::test_a_reimaged_device_gets_the_wheelhouse_of_its_new_architecture",
     "tests/push/test_reimaged.py::test_facts_report_the_architecture_the_agent_was_installed_for_and_the_system_torch",
     "tests/push/test_wheelhouse_arch.py::test_a_cross_build_for_a_newer_glibc_than_the_devices_is_refused_naming_both",
