@@ -98,7 +98,8 @@ def install_bundle(
         )
     work = updater.store.base / WORK_DIR
     shutil.rmtree(work, ignore_errors=True)  # what an interrupted install left: never resumed from
-    upgrade: str | None = None
+    upgrading: RunningAgent | None = None  # `running`, when the bundle's wheels upgrade it
+    new_agent: str | None = None
     restarted = ""
     try:
         with _opened(source, work) as bundle:
@@ -119,14 +120,12 @@ def install_bundle(
                 artifact = sorted(p for p in index.files if p.startswith(f"{FULL_DIR}/artifact/"))
                 names = [f"{FULL_DIR}/release.json", *artifact]
             manifest, *rest = bundle.files(index, names)
-            upgrade = index.agent_version()
-            if running is None or upgrade == running.version:
-                upgrade = None
-            if upgrade is not None:
-                assert running is not None  # upgrade is None without it
+            new_agent = index.agent_version()
+            if running is not None and new_agent not in (None, running.version):
+                upgrading = running
                 updater.verify(manifest)  # an expired or replayed release changes nothing, pip included
                 bundle.files(index, list(index.wheels()), copy=True)  # pip reads the checked copies
-                _pip_install(running.python, work / REQUIREMENTS, source)
+                _pip_install(upgrading.python, work / REQUIREMENTS, source)
                 # The running server is the old agent: the restarted one loads the release.
                 updater = Updater(updater.store, on_step=updater.on_step, clock=updater.clock)
             try:
@@ -135,9 +134,8 @@ def install_bundle(
                 else:
                     result = updater.install(manifest, artifact=manifest.parent / "artifact")
             finally:
-                if upgrade is not None:
-                    assert running is not None
-                    restarted = running.restart()  # installed or not, the new agent must run
+                if upgrading is not None:
+                    restarted = upgrading.restart()  # installed or not, the new agent must run
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return BundleOutcome(
@@ -145,8 +143,8 @@ def install_bundle(
         device_class,
         payload,
         result,
-        agent_from=running.version if upgrade is not None and running is not None else None,
-        agent=upgrade,
+        agent_from=upgrading.version if upgrading is not None else None,
+        agent=new_agent if upgrading is not None else None,
         restarted=restarted,
     )
 
