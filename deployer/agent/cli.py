@@ -13,6 +13,8 @@ import functools
 import http.client
 import json
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -29,14 +31,16 @@ from deployer.agent.ota.adapter_install import (
     device_trust,
 )
 from deployer.agent.ota.adapters import AdapterStore
+from deployer.agent.ota.bundle import RunningAgent, install_bundle
 from deployer.agent.ota.store import DeviceStore
 from deployer.agent.ota.updater import Reloader, ReloadOutcome, Updater
 from deployer.agent.settings import DEFAULT_SETTINGS_PATH, AgentSettings, load_settings
+from deployer.core.agent_service import LOG_FILE, PID_FILE, SERVICE, UNIT_DIR, restart_command
 from deployer.core.clikit import emit_json, examples, output_option, plain_error, verbosity
 from deployer.core.redact import redacting_stdio
 from deployer.errors import AgentError, SitsError
 
-__all__ = ["cli", "http_adapter_control", "http_reloader", "main"]
+__all__ = ["cli", "http_adapter_control", "http_reloader", "main", "restart_agent", "running_agent"]
 
 HISTORY_SHOWN = 10
 F = TypeVar("F", bound=Callable[..., Any])
@@ -179,17 +183,20 @@ def install(
     output: str,
 ) -> None:
     """Verify a signed release and install it from a patch or a full artifact directory, or from
-    an offline bundle (--from), checked with the same keys, expiry and anti-rollback."""
+    an offline bundle (--from), checked with the same keys, expiry and anti-rollback. A bundle
+    that carries another version of the agent's wheels upgrades this agent from them (pip, no
+    index, each wheel held to its signed sha256) and restarts it."""
     updater = _updater(settings, reload=not no_reload)
     if bundle is not None:
         if manifest or patch or artifact:
             raise click.UsageError(
                 "--from installs a whole bundle: leave out --manifest, --patch, --artifact"
             )
-        from deployer.agent.ota.bundle import install_bundle
-
-        outcome = install_bundle(bundle, updater, settings.device_class)
+        outcome = install_bundle(bundle, updater, settings.device_class, running_agent(settings))
         debug(f"from {outcome.source} ({outcome.payload})")
+        if outcome.agent is not None:
+            info(f"agent {outcome.agent} installed from the bundle's wheels, was {outcome.agent_from}")
+            info(outcome.restarted)
         result = outcome.install
     elif manifest is None or (patch is None) == (artifact is None):
         raise click.UsageError("give --manifest and exactly one of --patch or --artifact (or --from BUNDLE)")
@@ -201,7 +208,8 @@ def install(
         info(f"version {result.version} (counter {result.release_counter}) is already installed")
     else:
         info(f"installed {result.version} (counter {result.release_counter}), was {result.from_version}")
-        _say_reload(result.reload)
+        if result.reload is not None or bundle is None:  # an upgraded agent was restarted instead
+            _say_reload(result.reload)
 
 
 @cli.command(
@@ -503,6 +511,37 @@ def _pull_state(store: DeviceStore) -> dict[str, Any] | None:
         return PollState.model_validate_json(path.read_bytes()).model_dump()
     except ValueError:
         return {"error": f"{path} is unreadable", "result": None}
+
+
+def running_agent(settings: AgentSettings) -> RunningAgent:
+    """This agent, as an offline bundle upgrades it: its version, its environment's interpreter."""
+    return RunningAgent(__version__, sys.executable, lambda: restart_agent(settings))
+
+
+def restart_agent(settings: AgentSettings) -> str:
+    """Restart this device's agent as bootstrap restarts it after an upgrade (its systemd unit, or
+    the background agent of its pid file, with agent.yaml under the root); say what was done.
+    Raises AgentError when the restart command fails."""
+    root = Path(settings.root)
+
+    def on_device(path: str) -> str:
+        return str(root / path.lstrip("/"))
+
+    systemd = root == Path("/") and Path(on_device(f"{UNIT_DIR}/{SERVICE}")).is_file()
+    if not systemd and not Path(on_device(PID_FILE)).is_file():
+        return "no agent was running: the new agent serves the installed version when started"
+    config = on_device(str(DEFAULT_SETTINGS_PATH))  # where apply writes it, under the root
+    serve = [sys.executable, "-m", "deployer.agent.cli", "serve", "--config", config]
+    command = restart_command(
+        systemd=systemd, serve=serve, pid_file=on_device(PID_FILE), log_file=on_device(LOG_FILE)
+    )
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        raise AgentError(
+            f"restarting the upgraded agent failed: {(done.stderr or done.stdout).strip()[-400:]}",
+            hint=f"restart it by hand (systemctl restart {SERVICE}); the new version is installed",
+        )
+    return f"restarted the agent ({'systemctl restart ' + SERVICE if systemd else 'its background process'})"
 
 
 def http_reloader(settings: AgentSettings) -> Reloader:

@@ -160,9 +160,10 @@ def promote(
         "sits-deployer bundle -f deploy.yaml -o /media/usb/sits-bundle.tar",
         "sits-deployer bundle -f deploy.yaml -o bundle/ --profile jetson-orin-nx --wheels-arch aarch64",
     )
-    + "\n\nOn the device: sits-agent install --from /media/usb/sits-bundle.tar"
-    + "\n\nIts agent from the bundle's wheels: pip install --no-index --require-hashes -r "
-    + "bundle/wheels/requirements.txt",
+    + "\n\nOn the device: sits-agent install --from /media/usb/sits-bundle.tar (an agent of "
+    + "another version than the bundle's wheels is upgraded from them and restarted)"
+    + "\n\nA device with no agent yet, from the bundle's wheels: pip install --no-index "
+    + "--require-hashes -r bundle/wheels/requirements.txt",
 )
 @config_option
 @click.option(
@@ -220,7 +221,8 @@ def bundle(
 
     A device installs it with `sits-agent install --from`, verified with the same keys, counters,
     expiry and anti-rollback checks as an update over the network. With --wheels-arch it carries
-    the agent's wheels too, for a device that has no agent yet or an older one.
+    the agent's wheels too, for a device that has no agent yet, or one of another version (which
+    `install --from` upgrades from them).
     """
     from deployer.config import load_config
     from deployer.push.bootstrap import bundle_wheels

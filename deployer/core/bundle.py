@@ -26,12 +26,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deployer.core.release import SHA256, TIMESTAMP, FileHash
 from deployer.errors import FormatError
 
-__all__ = ["BUNDLE_INDEX", "FULL_DIR", "PATCH_DIR", "WHEELS_DIR", "BundleIndex", "parse_bundle_index"]
+__all__ = [
+    "AGENT_WHEEL",
+    "BUNDLE_INDEX",
+    "FULL_DIR",
+    "PATCH_DIR",
+    "REQUIREMENTS",
+    "WHEELS_DIR",
+    "BundleIndex",
+    "parse_bundle_index",
+]
 
 BUNDLE_INDEX = "sits-bundle.json"
 FULL_DIR = "full"
 PATCH_DIR = "patch"
 WHEELS_DIR = "wheels"
+REQUIREMENTS = f"{WHEELS_DIR}/requirements.txt"  # the wheels' pins with their sha256, for pip
+AGENT_WHEEL = "sits_agent"  # the agent's distribution, as its wheel's file name spells it
 MAX_FILES = 4096
 
 
@@ -56,6 +67,17 @@ class BundleIndex(BaseModel):
         return tuple(
             sorted({p.split("/")[1] for p in self.files if p.startswith(prefix) and p.count("/") == 2})
         )
+
+    def wheels(self) -> tuple[str, ...]:
+        """The files under wheels/: the agent's wheels and their requirements.txt."""
+        return tuple(sorted(p for p in self.files if p.startswith(f"{WHEELS_DIR}/")))
+
+    def agent_version(self) -> str | None:
+        """The version of the sits-agent wheel the bundle carries (None: it carries none)."""
+        prefix = f"{WHEELS_DIR}/{AGENT_WHEEL}-"
+        # A wheel's name is name-version-...; a version holds no '-' (PEP 427).
+        wheels = [p for p in self.files if p.startswith(prefix) and p.endswith(".whl")]
+        return wheels[0][len(prefix) :].split("-")[0] if wheels else None
 
 
 def parse_bundle_index(signed: dict[str, Any], where: str) -> BundleIndex:

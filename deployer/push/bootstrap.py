@@ -43,6 +43,14 @@ import yaml
 
 from deployer import __version__
 from deployer.config.models import Config
+from deployer.core.agent_service import (
+    LOG_FILE,
+    PID_FILE,
+    SERVICE,
+    pip_install,
+    restart_command,
+    stop_command,
+)
 from deployer.errors import AgentError, SitsError, TransportError
 from deployer.push.api_keys import API_KEYS_FILE, key_file, read_keys
 from deployer.push.facts import (
@@ -89,8 +97,6 @@ __all__ = [
 
 AGENT_PROJECT = "agent"  # sits-agent's project folder in the checkout
 INCOMING = "/var/lib/sits/incoming"  # uploads; not staging/, which the agent empties on each start
-LOG_FILE = "/var/log/sits-agent.log"
-PID_FILE = "/run/sits-agent.pid"
 SERVICE_USER = "sits"  # User= of the units (deployer.push.units.UnitParams.user)
 STORE_DIR = "/var/lib/sits"
 KERNEL_DIR = f"{STORE_DIR}/cache/kernels"  # the agent's kernel cache (agent/compile_cache.py)
@@ -234,7 +240,7 @@ def install_agent(site: DeviceSite, transport: Transport, wheel: Path) -> None:
         if w.sha256 not in device.wheels:
             transport.put(w.path, site.file(f"{incoming}/{w.path.name}"))
     transport.put(wheel, site.file(f"{incoming}/{wheel.name}"))
-    pip = [site.python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index"]
+    pip = pip_install(site.python)
     wheels_dir = site.path(incoming)
     # Pins, not ranges: the device ends with exactly the wheelhouse's releases; those it has already
     # satisfy their pins without their wheels being sent again.
@@ -407,7 +413,7 @@ def store_command(site: DeviceSite, argv: list[str]) -> str:
     if site.root != "/":
         return command
     user, store = SERVICE_USER, shlex.quote(STORE_DIR)
-    unit = shlex.quote(f"{UNIT_DIR}/sits-agent.service")
+    unit = shlex.quote(f"{UNIT_DIR}/{SERVICE}")
     return (
         f"if [ -f {unit} ] && id -u {user} >/dev/null 2>&1 && [ $(id -u) = 0 ]; then "
         f"chown -R {user}:{user} {store} && exec runuser -u {user} -- {command}; else exec {command}; fi"
@@ -455,36 +461,23 @@ def agent_running(site: DeviceSite, transport: Transport) -> bool:
 
 def start_agent(site: DeviceSite, transport: Transport, *, systemd: bool, timeout_s: float) -> None:
     """(Re)start the agent and wait until it answers /readyz. Raises AgentError when it does not."""
+    serve, pid, log = site.agent("serve"), site.path(PID_FILE), site.path(LOG_FILE)
+    restart = restart_command(systemd=systemd, serve=serve, pid_file=pid, log_file=log)
     if systemd:
         timer = shlex.quote(f"{UNIT_DIR}/{POLL_TIMER}")
         transport.run(
-            "systemctl daemon-reload && systemctl enable sits-agent.service && "
-            "systemctl restart sits-agent.service && "
             # A pull-mode device (its timer provisioned) also polls by itself from now on.
-            f"if [ -f {timer} ]; then systemctl enable --now {POLL_TIMER}; fi",
+            f"{restart} && if [ -f {timer} ]; then systemctl enable --now {POLL_TIMER}; fi",
             timeout=timeout_s + 30,
         ).check(f"{site.name}: systemctl restart sits-agent")
     else:
-        stop_agent(site, transport)
-        log, pid = site.path(LOG_FILE), site.path(PID_FILE)
-        serve = shlex.join(site.agent("serve"))
-        transport.run(
-            f"mkdir -p {shlex.quote(posixpath.dirname(log))} {shlex.quote(posixpath.dirname(pid))} && "
-            f"(setsid {serve} </dev/null >>{shlex.quote(log)} 2>&1 & echo $! >{shlex.quote(pid)})",
-            timeout=30,
-        ).check(f"{site.name}: starting sits-agent serve")
+        transport.run(restart, timeout=60).check(f"{site.name}: starting sits-agent serve")
     _wait_ready(site, transport, timeout_s)
 
 
 def stop_agent(site: DeviceSite, transport: Transport) -> None:
     """Stop the background agent of a device without systemd (no-op when none runs)."""
-    pid = shlex.quote(site.path(PID_FILE))
-    transport.run(
-        f'if [ -f {pid} ]; then p=$(cat {pid}); kill "$p" 2>/dev/null; '
-        f'for i in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done; '
-        f'kill -9 "$p" 2>/dev/null; rm -f {pid}; fi; true',
-        timeout=30,
-    )
+    transport.run(stop_command(site.path(PID_FILE)), timeout=30)
 
 
 def _wait_ready(site: DeviceSite, transport: Transport, timeout_s: float) -> None:

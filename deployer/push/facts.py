@@ -24,6 +24,7 @@ from pathlib import Path
 
 from deployer import __version__
 from deployer.config.models import Config, Device
+from deployer.core.agent_service import UNIT_DIR
 from deployer.errors import RefusedError, TransportError
 from deployer.push.api_keys import API_KEYS_FILE, controller_key
 from deployer.push.plan import DeviceFacts, DevicePlatform, InstalledAdapter, SystemTorch
@@ -53,7 +54,6 @@ PULL_CONFIG = "/etc/sits/pull.yaml"  # pull mode: what `sits-agent poll` reads (
 PULL_ROOT = "/etc/sits/pull-root.json"
 FALLBACK_KEY_FILE = "/etc/sits/secrets/fallback-key"  # deployer.push.fallback_files writes it
 KEYS_DIR = "/etc/sits/keys"
-UNIT_DIR = "/etc/systemd/system"
 VENV_PYTHON = "/opt/sits/venv/bin/python"
 # The wheels bootstrap installed, by sha256, and into which interpreter (deployer.push.bootstrap).
 WHEELS_RECORD = "/opt/sits/wheels.json"

@@ -23,7 +23,7 @@ from pathlib import Path
 from packaging.utils import parse_wheel_filename
 
 from deployer.config.models import Config
-from deployer.core.bundle import BUNDLE_INDEX, FULL_DIR, PATCH_DIR, WHEELS_DIR, BundleIndex
+from deployer.core.bundle import BUNDLE_INDEX, FULL_DIR, PATCH_DIR, REQUIREMENTS, WHEELS_DIR, BundleIndex
 from deployer.core.hashing import sha256_file
 from deployer.core.release import Envelope, FileHash, format_time
 from deployer.errors import ConfigError, SitsError
@@ -33,7 +33,6 @@ from deployer.release.sign import add_signature
 __all__ = ["REQUIREMENTS", "BundleResult", "bundle_class", "write_bundle"]
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
-REQUIREMENTS = f"{WHEELS_DIR}/requirements.txt"  # the wheels' pins with their sha256, for pip
 
 
 @dataclass(frozen=True)

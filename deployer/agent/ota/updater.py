@@ -181,6 +181,14 @@ class Updater:
                 raise
             return self._install(state, release, version, staged, _sha256(envelope))
 
+    def verify(self, manifest: Path) -> Release:
+        """Check the release in `manifest` as install does (signatures, expiry, counter, base)
+        without changing anything: for what must be refused before other changes (an offline
+        bundle's agent upgrade). Raises what install raises for a refused release."""
+        with self.store.locked(), _os_errors_as_agent_errors("verify"):
+            release, _ = self._verified_release(read_envelope(manifest), self.store.read_state())
+            return release
+
     def _install(
         self, state: DeviceState, release: Release, version: str, staged: Path | None, signed_sha256: str
     ) -> InstallResult:

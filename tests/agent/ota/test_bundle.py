@@ -19,8 +19,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from deployer import __version__
 from deployer.agent.cli import cli as agent_cli
-from deployer.agent.ota.bundle import install_bundle
+from deployer.agent.ota.bundle import RunningAgent, install_bundle
 from deployer.agent.ota.store import DeviceStore
 from deployer.agent.ota.updater import Updater
 from deployer.cli.main import cli as deployer_cli
@@ -304,3 +305,112 @@ def test_a_bundle_carries_the_agents_wheels_that_pip_installs_offline_held_to_th
     fake_wheel(out / "wheels", "beta", "2.0", "py3-none-any", "x86_64")  # the same name, other bytes
     assert "THESE PACKAGES DO NOT MATCH THE HASHES" in pip_install(tmp_path / "other").stderr
     assert site.install(out).payload == "patch"  # the device's own install ignores them
+
+
+# The agent's wheels of a bundle (`--wheels-arch`): a sits-agent of another version than the one
+# running is installed with pip into the running agent's environment, then the agent restarted.
+# Stand-ins: a sits-agent wheel that requires one more wheel, and a recording restart.
+AGENT_METADATA = "Requires-Dist: bundledep\nProvides-Extra: torch\nProvides-Extra: llamacpp\n"
+
+
+def _agent_wheels(folder: Path, version: str) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    return [
+        fake_wheel(folder, "sits_agent", version, "py3-none-any", requires=AGENT_METADATA),
+        fake_wheel(folder, "bundledep", "1.0", "py3-none-any"),
+    ]
+
+
+@dataclass
+class Running:
+    """A RunningAgent whose restarts are counted; its python is never run unless a test makes one."""
+
+    python: str = "/nonexistent/python"  # pip through it would fail: proves pip was not reached
+    restarts: int = 0
+
+    def agent(self) -> RunningAgent:
+        def restart() -> str:
+            self.restarts += 1
+            return "restarted (test)"
+
+        return RunningAgent(__version__, self.python, restart)
+
+
+def test_a_tampered_agent_wheel_is_refused_before_anything_changes(tmp_path: Path, site: Site) -> None:
+    out = tmp_path / "bundle"
+    write_bundle(
+        site.config, site.v2, out, device_class="kiosk", wheels=_agent_wheels(tmp_path / "w", "99.0")
+    )
+    wheel = out / "wheels" / "bundledep-1.0-py3-none-any.whl"
+    data = bytearray(wheel.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    wheel.write_bytes(bytes(data))
+    running = Running()
+    with pytest.raises(HashMismatchError, match=r"wheels/bundledep-1\.0-py3-none-any\.whl does not match"):
+        install_bundle(out, Updater(site.device), "kiosk", running.agent())
+    assert (site.current(), running.restarts) == ("1.0.0", 0)
+    assert not (site.device.base / "bundle").exists()
+
+
+def test_an_expired_bundle_with_a_new_agent_is_refused_before_pip_runs(tmp_path: Path, site: Site) -> None:
+    out = tmp_path / "bundle"
+    write_bundle(
+        site.config, site.v2, out, device_class="kiosk", wheels=_agent_wheels(tmp_path / "w", "99.0")
+    )
+    later = datetime.now(UTC) + timedelta(days=400)
+    running = Running()
+    with pytest.raises(ExpiredError, match="expired at"):  # not pip's failure: it never ran
+        install_bundle(out, Updater(site.device, clock=lambda: later), "kiosk", running.agent())
+    assert (site.current(), running.restarts) == ("1.0.0", 0)
+
+
+def test_wheels_of_the_running_agents_version_are_left_alone(tmp_path: Path, site: Site) -> None:
+    out = tmp_path / "bundle"
+    write_bundle(
+        site.config, site.v2, out, device_class="kiosk", wheels=_agent_wheels(tmp_path / "w", __version__)
+    )
+    running = Running()
+    outcome = install_bundle(out, Updater(site.device), "kiosk", running.agent())
+    assert (outcome.agent, outcome.payload, site.current(), running.restarts) == (None, "patch", "1.1.0", 0)
+
+
+def test_the_bundle_command_carries_the_agents_wheels_and_install_from_upgrades_the_agent(
+    tmp_path: Path, site: Site, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pip's only source: this folder (no index, no user configuration, a wheelhouse cache of our own).
+    links = tmp_path / "links"
+    agent, dep = _agent_wheels(links, "99.0")
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    monkeypatch.setenv("SITS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("deployer.push.bootstrap.build_agent_wheel", lambda project, out: agent)
+    monkeypatch.setattr("deployer.release.desired.build_target", lambda config: site.v2)
+    monkeypatch.chdir(site.config.base_dir)
+    out = tmp_path / "usb" / "sits-bundle.tar.gz"
+    made = CliRunner().invoke(
+        deployer_cli,
+        ["bundle", "-f", "deploy.yaml", "-o", str(out), "--wheels-arch", "x86_64", "--output", "json"],
+    )
+    assert made.exit_code == 0, made.output
+    assert json.loads(made.stdout)["wheels"] == [dep.name, agent.name]
+    with tarfile.open(out) as tar:
+        signed = json.loads(tar.extractfile(BUNDLE_INDEX).read())["signed"]["files"]  # type: ignore[union-attr]
+        pins = tar.extractfile(REQUIREMENTS).read().decode()  # type: ignore[union-attr]
+    assert {f"wheels/{agent.name}", f"wheels/{dep.name}", REQUIREMENTS} <= set(signed)
+    assert "sits-agent==99.0 --hash=sha256:" in pins and "bundledep==1.0 --hash=sha256:" in pins
+
+    # On the device: an agent in a venv of its own (made with pip) runs the controller's version.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+    running = Running(python=str(venv / "bin" / "python"))
+    monkeypatch.setattr("deployer.agent.cli.running_agent", lambda settings: running.agent())
+    code, stderr = _agent(site, "--from", str(out))
+    assert code == 0, stderr
+    assert f"agent 99.0 installed from the bundle's wheels, was {__version__}" in stderr
+    assert "restarted (test)" in stderr and "installed 1.1.0" in stderr
+    assert (site.current(), running.restarts) == ("1.1.0", 1)
+    site_packages = next((venv / "lib").glob("python3*/site-packages"))
+    assert (site_packages / "sits_agent-99.0.dist-info").is_dir()
+    assert (site_packages / "bundledep-1.0.dist-info").is_dir()
+    assert not (site.device.base / "bundle").exists()
