@@ -1,8 +1,8 @@
 """The arithmetic of a served model's memory, shared by validate's estimate (deployer/config/
 estimate.py, from deploy.yaml's quantization) and the agent's hot-swap policy (from the artifact
 it is about to load): the shape's parameters, the KV cache, the engine's overhead and load
-transients, the torch engine's int8 head and int4 draft. Standard library only, so the agent can
-import it.
+transients, the torch engine's int8 head and int4 draft. Imports nothing outside deployer/core, so the agent
+can import it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from deployer.core.gguf_io import GGUFHeader
 
 __all__ = [
     "ENGINE_OVERHEAD",
@@ -61,6 +63,34 @@ class ModelShape:
             kv_heads=int(raw.get("num_key_value_heads", heads)),
             head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
             tied=bool(raw.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_gguf(cls, header: GGUFHeader) -> ModelShape:
+        """Read the shape from a GGUF's metadata (llama.cpp's `<architecture>.` keys, as the GGUF
+        export writes them); raises KeyError naming a key that is missing."""
+        arch = header.string("general.architecture") or "llama"
+
+        def value(key: str) -> int:
+            found = header.integer(f"{arch}.{key}")
+            if found is None:
+                raise KeyError(f"{header.path}: no {arch}.{key} in its metadata")
+            return found
+
+        hidden, heads = value("embedding_length"), value("attention.head_count")
+        tokens = header.metadata.get("tokenizer.ggml.tokens")
+        vocab = header.integer(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
+        if vocab is None:
+            raise KeyError(f"{header.path}: no {arch}.vocab_size nor tokenizer.ggml.tokens in its metadata")
+        return cls(
+            hidden=hidden,
+            intermediate=value("feed_forward_length"),
+            layers=value("block_count"),
+            vocab=vocab,
+            heads=heads,
+            kv_heads=header.integer(f"{arch}.attention.head_count_kv") or heads,
+            head_dim=header.integer(f"{arch}.attention.key_length") or hidden // heads,
+            tied="output.weight" not in header.by_name(),  # llama.cpp reuses token_embd then
         )
 
     @property

@@ -34,6 +34,7 @@ from deployer.agent.runtime.scheduler import (
 from deployer.agent.runtime.served import ServedModel
 from deployer.agent.settings import AgentSettings
 from deployer.agent.types import ChatMessage, EngineInfo, SamplingParams
+from deployer.core.gguf_io import GGUF_FILE, read_gguf_header
 from deployer.core.manifest import INTEGER_SCHEMES, read_manifest
 from deployer.core.memory import (
     FLOAT_BYTES,
@@ -489,10 +490,15 @@ def load_need_bytes(artifact_dir: Path, settings: AgentSettings) -> int | None:
     validate's estimate counts it (deployer/core/memory.py): the stored weights (the artifact's
     weight files), the torch engine's int8 head on a CPU, the KV cache of max_concurrent sequences
     of context_length positions, the int4 draft where asked, and the engine's overhead and load
-    transients. None when the artifact's config.json or manifest cannot be read (its load will
-    fail and say why)."""
+    transients. None when the artifact's shape (config.json, or a GGUF's header) or manifest cannot
+    be read (its load will fail and say why)."""
     try:
-        shape = ModelShape.from_config_json(artifact_dir / "config.json")
+        gguf = artifact_dir / GGUF_FILE
+        # A safetensors artifact carries the source's config.json; a GGUF its shape in its header.
+        if gguf.is_file():
+            shape = ModelShape.from_gguf(read_gguf_header(gguf))
+        else:
+            shape = ModelShape.from_config_json(artifact_dir / "config.json")
         manifest = read_manifest(artifact_dir)
         stored = sum(
             p.stat().st_size for p in artifact_dir.iterdir() if p.suffix in (".safetensors", ".gguf")

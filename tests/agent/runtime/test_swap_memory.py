@@ -21,7 +21,9 @@ from deployer.build.spec import BuildRequest, QuantSpec
 from deployer.config import estimate
 from deployer.config.models import AgentSettings as DeployAgentSettings
 from deployer.config.models import ModelSpec, Quantization
-from deployer.core.memory import ModelShape, kv_bytes_per_position
+from deployer.core.gguf_io import GGUF_FILE, read_gguf_header
+from deployer.core.memory import ModelShape, engine_bytes, kv_bytes_per_position
+from tests.agent.engines.llamacpp.conftest import build_gguf
 from tests.agent.scripted import Gate, Reply, ScriptedEngine
 
 
@@ -55,6 +57,15 @@ def test_the_agent_counts_what_validate_estimates(int4_artifact: Path) -> None:
     assert longer == need + 4 * 2048 * kv_bytes_per_position(shape, "torch")
     drafted = load_need_bytes(int4_artifact, _settings(max_concurrent=4, context_length=2048, draft="int4"))
     assert drafted == need + estimate.draft_bytes(shape, 2048 * kv_bytes_per_position(shape, "torch"))
+
+
+def test_a_gguf_artifact_is_counted_from_its_header(tiny_model_dir: Path, tmp_path: Path) -> None:
+    artifact = build_gguf(tiny_model_dir, tmp_path / "store")  # no config.json beside the GGUF
+    shape = ModelShape.from_gguf(read_gguf_header(artifact / GGUF_FILE))
+    assert shape == ModelShape.from_config_json(tiny_model_dir / "config.json")
+    need = load_need_bytes(artifact, _settings(engine="llama.cpp", max_concurrent=2, context_length=512))
+    kv_cache = 2 * 512 * kv_bytes_per_position(shape, "llama.cpp")  # fp16 K and V
+    assert need == (artifact / GGUF_FILE).stat().st_size + kv_cache + engine_bytes(shape, "llama.cpp")
 
 
 def test_an_unreadable_artifact_has_no_need(tmp_path: Path) -> None:
