@@ -1,30 +1,34 @@
-"""The torch agent's memory on real model shapes: artifact bytes, steady and peak load RSS.
+"""The agent's memory on real model shapes: artifact bytes, steady and peak load RSS, per engine.
 
 For each shape of bench/shapes.py (random weights; 1.5B and 3B by default, `--with-8b` adds
-Llama-3-8B), the int4-g128 artifact (fp16 embedding and head, as the builder writes them) is
-built once without the quality gate into a store under the cache, then loaded by the torch
-engine's loader on the CPU with `slots` sequences of `context` positions, in a fresh process per
-row so each peak is its own:
+Llama-3-8B), two artifacts are built once without the quality gate into a store under the cache:
 
-* steady: the process's RSS once the model is loaded (python and torch included);
+* torch: int4-g128 (fp16 embedding and head, as the builder writes them), loaded by the torch
+  engine's loader on the CPU;
+* llama.cpp: a GGUF quantized by llama.cpp's quantizer to Q4_K_M without an importance matrix
+  (the weights are random: there is nothing for one to weigh), loaded by the llama.cpp engine and
+  warmed up as the agent does before serving;
+
+each with `slots` sequences of `context` positions, in a fresh process per row
+(bench/load_child.py, which imports only the engine it loads) so each peak is its own:
+
+* steady: the process's RSS once the model is loaded (python and the engine's library included);
 * peak: its high-water mark (VmHWM) during the load;
-* baseline: the same load keeping every mapped page of the weights until the load ends (as the
-  loader did before `WeightFiles.release`), measured in the same run;
+* baseline (torch): the same load keeping every mapped page of the weights until the load ends
+  (as the loader did before `WeightFiles.release`), measured in the same run;
 * estimate: what validate estimates for that model and agent (deployer/config/estimate.py),
   against the measured peak.
 
-    python -m bench.scale_load                # 1.5B and 3B rows
+    python -m bench.scale_load                # 1.5B and 3B rows, both engines
     python -m bench.scale_load --with-8b      # and Llama-3-8B (about 4.5 GB artifact, 16 GB source)
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
@@ -33,63 +37,44 @@ from rich.table import Table
 from bench.shapes import SHAPES, checkpoint
 from deployer.build.demo_model import cache_root
 from deployer.build.pipeline import build_artifact
-from deployer.build.spec import BuildRequest, QuantSpec
+from deployer.build.spec import BuildRequest, LlamaQuantSpec, QuantSpec
 from deployer.config.estimate import ModelShape, estimate_memory
 from deployer.config.models import AgentSettings, ModelSpec, Quantization
 
 STORE = cache_root() / "scale-artifacts" / "store"
 GB = 1e9
+ENGINES = ("torch", "llama.cpp")
+GGUF_TYPE = "Q4_K_M"
 
 
-def artifact(shape: str) -> Path:
-    """The int4-g128 artifact of `shape`, built (no gate) on first use."""
-    request = BuildRequest(checkpoint(shape), shape, "1.0.0", QuantSpec("int4", 128), STORE)
+def artifact(shape: str, engine: str = "torch") -> Path:
+    """The artifact of `shape` for `engine` (int4-g128, or a Q4_K_M GGUF), built (no gate) on first use."""
+    if engine == "torch":
+        request = BuildRequest(checkpoint(shape), shape, "1.0.0", QuantSpec("int4", 128), STORE)
+    else:
+        quant = LlamaQuantSpec(GGUF_TYPE, imatrix=False)
+        request = BuildRequest(
+            checkpoint(shape), shape, "1.0.0", QuantSpec("fp16"), STORE, format="gguf", llama_quant=quant
+        )
     return build_artifact(request).artifact_dir
 
 
-def _status() -> dict[str, int]:
-    """VmRSS and VmHWM of this process, in bytes."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def child(directory: Path, slots: int, context: int, baseline: bool) -> None:
-    """Load `directory` and print its steady and peak RSS as JSON (one row's process)."""
-    import torch
-
-    from deployer.agent.engines.torch import loader
-
-    if baseline:
-        loader.WeightFiles.release = lambda self, names: None  # type: ignore[method-assign]
-    torch.set_num_threads(2)
-    started = time.perf_counter()
-    loaded = loader.load_model(directory, device="cpu", dtype="auto", max_context=context, slots=slots)
-    seconds = time.perf_counter() - started
-    gc.collect()
-    status = _status()
-    print(json.dumps({"steady": status["VmRSS"], "peak": status["VmHWM"], "seconds": seconds}))
-    del loaded
-
-
-def _measure(directory: Path, slots: int, context: int, baseline: bool) -> dict[str, float]:
-    argv = [sys.executable, "-m", "bench.scale_load", "--child", str(directory)]
-    argv += ["--slots", str(slots), "--context", str(context)] + (["--baseline"] if baseline else [])
+def _measure(directory: Path, engine: str, slots: int, context: int, baseline: bool) -> dict[str, float]:
+    argv = [sys.executable, "-m", "bench.load_child", str(directory), engine, str(slots), str(context)]
+    argv += ["--baseline"] if baseline else []
     done = subprocess.run(argv, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def estimate(shape: str, slots: int, context: int) -> int:
-    """Validate's estimate of one agent serving `shape` at int4-g128 (one copy: unload-first)."""
-    model = ModelSpec(
-        name="bench", version="1.0.0", source=".", quantization=Quantization(scheme="int4", group_size=128)
+def estimate(shape: str, engine: str, slots: int, context: int) -> int:
+    """Validate's estimate of one agent serving `shape` on `engine` (one copy: unload-first)."""
+    quantization = (
+        Quantization(scheme="int4", group_size=128)
+        if engine == "torch"
+        else Quantization(gguf_type=GGUF_TYPE)
     )
-    agent = AgentSettings(
-        engine="torch", max_concurrent=slots, max_tokens=context, swap_policy="unload-first"
-    )
+    model = ModelSpec(name="bench", version="1.0.0", source=".", quantization=quantization)
+    agent = AgentSettings(engine=engine, max_concurrent=slots, max_tokens=context, swap_policy="unload-first")
     return estimate_memory(ModelShape.from_config_json(checkpoint(shape) / "config.json"), model, agent).total
 
 
@@ -99,20 +84,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--with-8b", action="store_true", help="add the Llama-3-8B row")
-    parser.add_argument("--shapes", nargs="+", choices=SHAPES, help="only these rows")
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, help="only these shapes")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=ENGINES, help="only these engines")
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--no-baseline", action="store_true", help="skip the keep-every-page loads")
-    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        child(args.child, args.slots, args.context, args.baseline)
-        return
     shapes = args.shapes or ["qwen2.5-1.5b", "qwen2.5-3b"] + (["llama-3-8b"] if args.with_8b else [])
-    table = Table(title=f"torch agent load, int4-g128, CPU, {args.slots} slots x {args.context} positions")
+    engines = f"torch int4-g128, llama.cpp {GGUF_TYPE}"
+    table = Table(title=f"agent load, CPU: {engines}; {args.slots} slots x {args.context} positions")
     for column in (
         "shape",
+        "engine",
         "artifact GB",
         "steady GB",
         "peak GB",
@@ -126,28 +109,31 @@ def main() -> None:
     ):
         table.add_column(column, justify="left" if column == "shape" else "right")
     for shape in shapes:
-        directory = artifact(shape)
-        size = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-        row = _measure(directory, args.slots, args.context, baseline=False)
-        base = None if args.no_baseline else _measure(directory, args.slots, args.context, baseline=True)
-        guess = estimate(shape, args.slots, args.context)
-        print(
-            json.dumps({"shape": shape, "artifact": size, "row": row, "baseline": base, "estimate": guess}),
-            flush=True,
-        )
-        table.add_row(
-            shape,
-            f"{size / GB:.2f}",
-            f"{row['steady'] / GB:.2f}",
-            f"{row['peak'] / GB:.2f}",
-            f"{row['peak'] / row['steady']:.2f}",
-            f"{row['steady'] / size:.2f}",
-            f"{row['seconds']:.0f}",
-            "-" if base is None else f"{base['peak'] / GB:.2f}",
-            "-" if base is None else f"{base['peak'] / base['steady']:.2f}",
-            f"{guess / GB:.2f}",
-            f"{guess / row['peak']:.2f}",
-        )
+        for engine in args.engines:
+            directory = artifact(shape, engine)
+            size = sum(p.stat().st_size for p in directory.iterdir() if p.suffix in (".safetensors", ".gguf"))
+            row = _measure(directory, engine, args.slots, args.context, baseline=False)
+            keep_pages = engine == "torch" and not args.no_baseline  # llama.cpp maps and keeps them
+            base = (
+                _measure(directory, engine, args.slots, args.context, baseline=True) if keep_pages else None
+            )
+            guess = estimate(shape, engine, args.slots, args.context)
+            record = {"shape": shape, "engine": engine, "artifact": size, "row": row, "baseline": base}
+            print(json.dumps(record | {"estimate": guess}), flush=True)
+            table.add_row(
+                shape,
+                engine,
+                f"{size / GB:.2f}",
+                f"{row['steady'] / GB:.2f}",
+                f"{row['peak'] / GB:.2f}",
+                f"{row['peak'] / row['steady']:.2f}",
+                f"{row['steady'] / size:.2f}",
+                f"{row['seconds']:.0f}",
+                "-" if base is None else f"{base['peak'] / GB:.2f}",
+                "-" if base is None else f"{base['peak'] / base['steady']:.2f}",
+                f"{guess / GB:.2f}",
+                f"{guess / row['peak']:.2f}",
+            )
     Console(width=200).print(table)
 
 

@@ -7,9 +7,9 @@ server's `--lora`) reads: ``general.type = adapter``, ``adapter.type = lora``,
 
 * llama.cpp computes ``scale * alpha / rank`` with the scale given at load time (1.0 unless a
   request says otherwise), so the user's scale from deploy.yaml is folded into the alpha written;
-* the base GGUF stores q_proj and k_proj with their rows permuted for llama.cpp's rotary layout
-  (`deployer.build.gguf_writer`), so B of those modules gets the same row permutation (A is
-  untouched: the permutation acts on output rows only).
+* a Llama base GGUF stores q_proj and k_proj with their rows permuted for llama.cpp's rotary
+  layout (`deployer.build.gguf_writer`), so B of those modules gets the same row permutation (A is
+  untouched: the permutation acts on output rows only); a Qwen2 base keeps HF's rows.
 
 Written from the sorted factors with no timestamps, so the same adapter gives the same bytes.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from deployer.build.gguf_writer import permute_rows
+from deployer.build.gguf_writer import GGUF_LAYOUTS, permute_rows
 from deployer.core.gguf_io import GGUF_FILE, read_gguf_header
 from deployer.core.lora import ADAPTER_GGUF, LoraAdapter
 from deployer.errors import BuildError
@@ -50,7 +50,8 @@ def write_gguf_adapter(adapter: LoraAdapter, base_gguf: Path, directory: Path) -
             f"{base_gguf}: no {arch}.block_count or attention head counts in its metadata",
             hint="rebuild the base artifact with this sits-deployer",
         )
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, blocks)
+    model_arch, permuted = GGUF_LAYOUTS.get(arch, GGUF_LAYOUTS["llama"])
+    names = gguf.get_tensor_name_map(model_arch, blocks)
     stored = header.by_name()
     out = directory / ADAPTER_GGUF
     writer = gguf.GGUFWriter(out, arch)
@@ -67,7 +68,7 @@ def write_gguf_adapter(adapter: LoraAdapter, base_gguf: Path, directory: Path) -
                 hint="an adapter of a GGUF base may target only the base's linear layers",
             )
         permute = heads if ".q_proj" in module else kv_heads if ".k_proj" in module else None
-        b = permute_rows(b, permute) if permute else b
+        b = permute_rows(b, permute) if permute and permuted else b
         writer.add_tensor(f"{name}.lora_a", np.ascontiguousarray(a, dtype=np.float16))
         writer.add_tensor(f"{name}.lora_b", np.ascontiguousarray(b, dtype=np.float16))
     try:

@@ -11,6 +11,7 @@ preset included): fp32/fp16/bf16 -> F32/F16/BF16, int8 -> Q8_0, int4 (group size
 (asymmetric, like our int4) or Q4_0 (symmetric), as `quantization.gguf_int4` says. Norms stay F32;
 the token embedding (also the tied output head) is Q8_0 under integer schemes, as llama.cpp's own
 files keep it. (The K-quants are not offered: the gguf package cannot quantize to them.)
+Llama and Mistral become llama.cpp's `llama` architecture, Qwen2 its `qwen2` (q/k/v biases kept F32).
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ __all__ = [
 GGUF_NAME = GGUF_FILE
 INT4_TYPES = GGUF_INT4_TYPES
 GGUF_BLOCK = 32
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# Each GGUF architecture's tensor names, and whether its q/k rows are permuted: llama.cpp's llama
+# graph rotates interleaved halves (permute_rows); its qwen2 graph rotates HF's halves as stored.
+GGUF_LAYOUTS = {"llama": (gguf.MODEL_ARCH.LLAMA, True), "qwen2": (gguf.MODEL_ARCH.QWEN2, False)}
 _FLOAT_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
 _FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
 # tokenizer.json pre-tokenizers llama.cpp knows, as the `tokenizer.ggml.pre` name it expects.
@@ -86,7 +90,7 @@ def plan_gguf(
 ) -> list[GGUFTensorPlan]:
     """The GGUF name, type and layout of every stored source tensor, in source order.
 
-    Raises SourceModelError for an architecture llama.cpp's llama graph does not cover, and
+    Raises SourceModelError for an architecture llama.cpp's llama and qwen2 graphs do not cover, and
     BuildError for a scheme GGUF cannot hold (int4 with a group size other than 32).
     """
     arch = ARCHITECTURES.get(source.architecture)
@@ -98,7 +102,8 @@ def plan_gguf(
     if int4_type not in INT4_TYPES:
         raise BuildError(f"unknown int4 GGUF type {int4_type!r}", hint=f"use one of {', '.join(INT4_TYPES)}")
     blocks = int(source.config["num_hidden_layers"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, blocks)
+    model_arch, permuted = GGUF_LAYOUTS[arch]
+    names = gguf.get_tensor_name_map(model_arch, blocks)
     heads = int(source.config["num_attention_heads"])
     kv_heads = int(source.config.get("num_key_value_heads", heads))
     plans = []
@@ -110,6 +115,7 @@ def plan_gguf(
             raise SourceModelError(f"{source.path}: no GGUF name for tensor {tensor.name!r}")
         ggml_type = _tensor_type(spec, tensor.name, tensor.entry.shape, int4_type)
         permute = heads if ".q_proj." in tensor.name else kv_heads if ".k_proj." in tensor.name else None
+        permute = permute if permuted else None
         plans.append(GGUFTensorPlan(tensor.name, name, ggml_type, tensor.entry.shape, permute))
     return plans
 

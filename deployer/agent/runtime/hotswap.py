@@ -34,14 +34,22 @@ from deployer.agent.runtime.scheduler import (
 from deployer.agent.runtime.served import ServedModel
 from deployer.agent.settings import AgentSettings
 from deployer.agent.types import ChatMessage, EngineInfo, SamplingParams
-from deployer.errors import AgentError
+from deployer.core.gguf_io import GGUF_FILE, read_gguf_header
+from deployer.core.manifest import INTEGER_SCHEMES, read_manifest
+from deployer.core.memory import (
+    FLOAT_BYTES,
+    ModelShape,
+    draft_bytes,
+    engine_bytes,
+    kv_bytes_per_position,
+    torch_cpu_head_delta,
+)
+from deployer.errors import AgentError, FormatError
 
 __all__ = ["ModelManager", "SmokeFailed", "SwapResult", "Unavailable"]
 
 Policy = Literal["side-by-side", "unload-first"]
 Phase = Literal["load", "warmup", "smoke", "done"]
-# Two models side by side need the new one's weights plus working memory; keep a margin.
-_MEMORY_HEADROOM = 1.5
 _DEFAULT_RETRY_AFTER_S = 5
 
 
@@ -95,12 +103,16 @@ class ModelManager:
         on_counts: Callable[[SchedulerCounts], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         adapters: AdapterSource | None = None,
+        available_memory: Callable[[], int | None] | None = None,
     ) -> None:
         """`on_counts(counts)` receives the running and waiting requests of every loaded model
         (the serving one and one still draining) whenever they change, e.g. to set gauges. `clock`
         times the readiness deadline and the smoke prompts (tests pass a fake one). `adapters`:
-        where each loaded model finds the LoRA adapters it loads (none without)."""
+        where each loaded model finds the LoRA adapters it loads (none without).
+        `available_memory()` is the memory a new model may take now (default: MemAvailable; None:
+        unknown), what swap_policy auto weighs a side-by-side load against."""
         self._adapters = adapters
+        self._available_memory = available_memory or _available_memory_bytes
         self._factory = engine_factory
         self._clock = clock
         self._settings = settings
@@ -415,14 +427,20 @@ class ModelManager:
         return tuple(times)
 
     def _choose_policy(self, artifact_dir: Path) -> Policy:
+        """auto: side-by-side where the new model's load fits beside the old one, else unload-first.
+        The old model's memory is already out of MemAvailable, so two copies fit exactly when the
+        new one's peak (`load_need_bytes`) does not exceed it."""
         policy = self._settings.swap_policy
         if policy != "auto":
             return policy
         if self._active is None:
             return "side-by-side"  # nothing to unload
-        need = _artifact_bytes(artifact_dir) * _MEMORY_HEADROOM
-        available = _available_memory_bytes()
-        return "side-by-side" if available is None or available >= need else "unload-first"
+        need = load_need_bytes(artifact_dir, self._settings)
+        available = self._available_memory()
+        if need is None or available is None:
+            # Unknown either way: side-by-side keeps the old model serving if the load fails.
+            return "side-by-side"
+        return "side-by-side" if need <= available else "unload-first"
 
     def _result(
         self,
@@ -467,12 +485,37 @@ def _quietly_unload(engine: Engine) -> None:
         engine.unload()
 
 
-def _artifact_bytes(artifact_dir: Path) -> int:
-    """Bytes of weights in an artifact (what a loaded model roughly occupies)."""
+def load_need_bytes(artifact_dir: Path, settings: AgentSettings) -> int | None:
+    """The memory loading `artifact_dir` takes at its peak with these settings, counted as
+    validate's estimate counts it (deployer/core/memory.py): the stored weights (the artifact's
+    weight files), the torch engine's int8 head on a CPU, the KV cache of max_concurrent sequences
+    of context_length positions, the int4 draft where asked, and the engine's overhead and load
+    transients. None when the artifact's shape (config.json, or a GGUF's header) or manifest cannot
+    be read (its load will fail and say why)."""
     try:
-        return sum(p.stat().st_size for p in artifact_dir.glob("*.safetensors"))
-    except OSError:
-        return 0
+        gguf = artifact_dir / GGUF_FILE
+        # A safetensors artifact carries the source's config.json; a GGUF its shape in its header.
+        if gguf.is_file():
+            shape = ModelShape.from_gguf(read_gguf_header(gguf))
+        else:
+            shape = ModelShape.from_config_json(artifact_dir / "config.json")
+        manifest = read_manifest(artifact_dir)
+        stored = sum(
+            p.stat().st_size for p in artifact_dir.iterdir() if p.suffix in (".safetensors", ".gguf")
+        )
+    except (OSError, ValueError, KeyError, FormatError):
+        return None
+    modules = manifest.quantization.modules
+    integer = any(m.scheme in INTEGER_SCHEMES for m in modules.values())
+    weights = stored
+    if settings.engine == "torch" and settings.device != "cuda" and integer:
+        head = modules.get("lm_head") or modules.get("model.embed_tokens")
+        head_float = FLOAT_BYTES.get(head.scheme if head else "fp16", 2.0)
+        weights += torch_cpu_head_delta(shape, head_float)
+    kv_per_position = kv_bytes_per_position(shape, settings.engine)
+    kv_cache = kv_per_position * settings.context_length * settings.max_concurrent
+    draft = draft_bytes(shape, kv_per_position * settings.context_length) if settings.draft != "off" else 0
+    return weights + kv_cache + draft + engine_bytes(shape, settings.engine)
 
 
 def _available_memory_bytes() -> int | None:

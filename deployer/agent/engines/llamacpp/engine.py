@@ -129,7 +129,8 @@ class LlamaCppEngine(Engine):
             )
         header = read_gguf_header(path)
         name, version, quantization = _facts(artifact_dir, header)
-        n_ctx = min(self._max_context, header.integer("llama.context_length") or self._max_context)
+        arch = header.string("general.architecture") or "llama"  # its keys are named after it
+        n_ctx = min(self._max_context, header.integer(f"{arch}.context_length") or self._max_context)
         try:
             # The Llama object maps the weights and tokenizes; its own context is left tiny, since
             # generation runs in the batched context below.

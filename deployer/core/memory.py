@@ -1,0 +1,164 @@
+"""The arithmetic of a served model's memory, shared by validate's estimate (deployer/config/
+estimate.py, from deploy.yaml's quantization) and the agent's hot-swap policy (from the artifact
+it is about to load): the shape's parameters, the KV cache, the engine's overhead and load
+transients, the torch engine's int8 head and int4 draft. Imports nothing outside deployer/core, so the agent
+can import it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from deployer.core.gguf_io import GGUFHeader
+
+__all__ = [
+    "ENGINE_OVERHEAD",
+    "FLOAT_BYTES",
+    "SMOLLM2_SHAPE",
+    "TORCH_LOAD_BYTES_PER_PARAM",
+    "ModelShape",
+    "draft_bytes",
+    "engine_bytes",
+    "int4_bytes",
+    "kv_bytes_per_position",
+    "torch_cpu_head_delta",
+]
+
+# Peak RSS beyond weights and KV cache, per engine: python and the libraries (llama.cpp: 168 MB
+# in all, FACTS.md), and for torch the load's transients, which grow with the largest fused
+# projection (its concatenated weights, the repacked copy and the fp32 probe of its kernel):
+# 384 MiB + 8 bytes a parameter of it put bench/scale_load.py's measured peaks of Qwen2.5-1.5B and
+# 3B shapes at int4 (2.27 and 3.71 GB) 9% and 1% under the estimate.
+ENGINE_OVERHEAD = {"torch": 384 * 2**20, "llama.cpp": 128 * 2**20}
+TORCH_LOAD_BYTES_PER_PARAM = 8
+FLOAT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}  # a parameter of each float scheme
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-style decoder that decide its parameter count."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def from_config_json(cls, path: Path) -> ModelShape:
+        """Read the shape from an HF config.json; raises OSError, ValueError or KeyError."""
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        heads = int(raw["num_attention_heads"])
+        return cls(
+            hidden=int(raw["hidden_size"]),
+            intermediate=int(raw["intermediate_size"]),
+            layers=int(raw["num_hidden_layers"]),
+            vocab=int(raw["vocab_size"]),
+            heads=heads,
+            kv_heads=int(raw.get("num_key_value_heads", heads)),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+            tied=bool(raw.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_gguf(cls, header: GGUFHeader) -> ModelShape:
+        """Read the shape from a GGUF's metadata (llama.cpp's `<architecture>.` keys, as the GGUF
+        export writes them); raises KeyError naming a key that is missing."""
+        arch = header.string("general.architecture") or "llama"
+
+        def value(key: str) -> int:
+            found = header.integer(f"{arch}.{key}")
+            if found is None:
+                raise KeyError(f"{header.path}: no {arch}.{key} in its metadata")
+            return found
+
+        hidden, heads = value("embedding_length"), value("attention.head_count")
+        tokens = header.metadata.get("tokenizer.ggml.tokens")
+        vocab = header.integer(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
+        if vocab is None:
+            raise KeyError(f"{header.path}: no {arch}.vocab_size nor tokenizer.ggml.tokens in its metadata")
+        return cls(
+            hidden=hidden,
+            intermediate=value("feed_forward_length"),
+            layers=value("block_count"),
+            vocab=vocab,
+            heads=heads,
+            kv_heads=header.integer(f"{arch}.attention.head_count_kv") or heads,
+            head_dim=header.integer(f"{arch}.attention.key_length") or hidden // heads,
+            tied="output.weight" not in header.by_name(),  # llama.cpp reuses token_embd then
+        )
+
+    @property
+    def attention_params(self) -> int:
+        """Parameters of one layer's q, k, v and o projections."""
+        q_and_o = 2 * self.hidden * self.heads * self.head_dim
+        return q_and_o + 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def mlp_params(self) -> int:
+        """Parameters of one layer's gate, up and down projections."""
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embeddings plus the output head unless it is tied to them."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def largest_projection(self) -> int:
+        """Parameters of the largest matmul the torch engine runs: gate and up fused, or q, k and v."""
+        return self.hidden * max(2 * self.intermediate, (self.heads + 2 * self.kv_heads) * self.head_dim)
+
+    @property
+    def params(self) -> int:
+        """All parameters, norms included."""
+        per_layer = self.attention_params + self.mlp_params + 2 * self.hidden
+        return self.embedding_params + self.layers * per_layer + self.hidden
+
+
+# SmolLM2-135M-Instruct's config.json, for `builtin:` sources that are not prepared yet.
+SMOLLM2_SHAPE = ModelShape(
+    hidden=576, intermediate=1536, layers=30, vocab=49152, heads=9, kv_heads=3, head_dim=64, tied=True
+)
+
+
+def int4_bytes(group: int) -> float:
+    """Bytes a parameter of int4 with groups of `group`: two values a byte, plus an fp16 scale
+    and a u8 zero point per group."""
+    return 0.5 + 3 / group
+
+
+def kv_bytes_per_position(shape: ModelShape, engine: str) -> int:
+    """K and V of one position of one sequence: fp16 in llama.cpp; fp32 in the torch engine on a
+    CPU, where its attention is fastest in fp32 (half that on CUDA, so this errs on the safe side)."""
+    value_bytes = 4 if engine == "torch" else 2
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * value_bytes
+
+
+def engine_bytes(shape: ModelShape, engine: str) -> int:
+    """The engine's overhead beyond weights and KV cache at its load's peak (ENGINE_OVERHEAD, and
+    for torch the transients of its largest fused projection)."""
+    transients = TORCH_LOAD_BYTES_PER_PARAM * shape.largest_projection if engine == "torch" else 0
+    return ENGINE_OVERHEAD[engine] + transients
+
+
+def torch_cpu_head_delta(shape: ModelShape, stored_head_bytes_per_param: float) -> int:
+    """What the torch engine on a CPU adds to an integer-quantized model's stored weights: it runs
+    the output head on int8 weights it quantizes at load (loader._int8_head), beside a tied
+    embedding or instead of an untied float head stored at `stored_head_bytes_per_param`."""
+    head_int8 = shape.vocab * (shape.hidden + 2)  # a byte a weight, an fp16 scale a row
+    replaced = 0 if shape.tied else shape.vocab * shape.hidden * stored_head_bytes_per_param
+    return int(head_int8 - replaced)
+
+
+def draft_bytes(shape: ModelShape, kv_cache: int) -> int:
+    """The int4 draft the torch engine makes at load (loader.load_draft): its projections in
+    int4-g32, an int8 head, the embedding in bf16 and `kv_cache` bytes for its one sequence."""
+    projections = shape.layers * (shape.attention_params + shape.mlp_params) * int4_bytes(32)
+    embedding = shape.vocab * shape.hidden
+    return int(projections + embedding * (2 + 1) + kv_cache)
