@@ -10,7 +10,13 @@ the bundle installed from it must move kiosk-01 (rolled back to 1.0.0 just befor
 `--follow` line streams until Ctrl-C: it must print a line of the log while it runs, then SIGINT
 ends it with 130. The lock block is about a lock left by a killed apply: the test leaves one with
 the doc's lock id first. Every other line must exit 0. The seeded tiny checkpoint stands in for
-SmolLM2 (SITS_CACHE_DIR), as in tests/quickstart.
+SmolLM2: deploy.yaml's `model.source` names its directory rather than the builtin, since validate
+checks an adapter of a builtin base against the real SmolLM2's shape.
+
+"LoRA adapters" has the reader add its yaml block under deploy.yaml's `model:`: the test does so
+before the section's first line, as written, with a real PEFT adapter of the model (made by peft)
+in the block's `source`, and saves a second fine-tune there before the section's `sed` line (the
+doc's "save the new fine-tune"). `$ADAPTER` is the adapter artifact the last build made.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,29 +34,81 @@ from pathlib import Path
 
 import yaml
 
+from deployer.agent.ota.adapters import AdapterStore
+from deployer.agent.ota.store import DeviceStore
+from deployer.build.demo_model import SMOLLM2_NAME
+from tests.agent.lora_helpers import make_peft_adapter
 from tests.quickstart.test_quickstart import tiny_cache
 from tests.signals import default_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "operating.md"
 FENCE = re.compile(r"^ *```sh\n(.*?)^ *```", re.M | re.S)  # also the indented blocks of a list
+ADAPTERS = "## LoRA adapters"
 LOCK_ID = re.compile(r"--force-unlock (\w+)")
 PASSPHRASE = "a long enough passphrase"
 
 
-def doc_lines() -> list[str]:
-    """Every command line of the doc's ```sh blocks, in order (comments stripped)."""
+def doc_lines() -> list[tuple[str, str]]:
+    """Every command line of the doc's ```sh blocks, in order (comments stripped), each with its
+    section's heading."""
+    text = DOC.read_text(encoding="utf-8")
     lines = []
-    for block in FENCE.finditer(DOC.read_text(encoding="utf-8")):
+    for block in FENCE.finditer(text):
+        heading = re.findall(r"^## .*$", text[: block.start()], re.M)[-1]
         for raw in block.group(1).splitlines():
             line = raw.split(" #", 1)[0].strip()
             if line and not line.startswith("#"):
-                lines.append(line)
+                lines.append((heading, line))
     return lines
 
 
-def _project(tmp_path: Path, env: dict[str, str]) -> Path:
-    """An init project with the doc's device names, after releasing 1.0.0 and then 1.1.0."""
+def _adapters_block() -> str:
+    """The adapters section's yaml block, as the reader adds it to deploy.yaml."""
+    section = DOC.read_text(encoding="utf-8").split(f"{ADAPTERS}\n", 1)[1].split("\n## ", 1)[0]
+    [block] = re.findall(r"^```yaml\n(.*?)^```", section, re.M | re.S)
+    return block
+
+
+def _fine_tune(model: Path, dest: Path, seed: int) -> None:
+    """A real PEFT adapter of `model` at `dest` (in place of an earlier one)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    make_peft_adapter(model, dest, seed=seed)
+
+
+def _declare_adapters(project: Path, model: Path) -> list[Path]:
+    """The block added at the end of deploy.yaml's `model:` mapping, and a fine-tune in each
+    adapter's source; those sources."""
+    block = _adapters_block()
+    deploy = project / "deploy.yaml"
+    lines = deploy.read_text().splitlines(keepends=True)
+    start = lines.index("model:\n") + 1
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith(" "))
+    body = block.split("model:\n", 1)[1]
+    deploy.write_text("".join([*lines[:end], body, *lines[end:]]))
+    sources = [project / a["source"] for a in yaml.safe_load(block)["model"]["adapters"]]
+    for source in sources:
+        _fine_tune(model, source, seed=1)
+    return sources
+
+
+def _built_adapter(project: Path, env: dict[str, str]) -> str:
+    """The artifact directory of deploy.yaml's adapter, as `build` names it (a cache hit)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "deployer", "build", "--output", "json"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    [adapter] = json.loads(done.stdout)["adapters"]
+    return str(adapter["artifact_dir"])
+
+
+def _project(tmp_path: Path, env: dict[str, str], model: Path) -> Path:
+    """An init project of `model` with the doc's device names, after releasing 1.0.0 and then
+    1.1.0."""
     project = tmp_path / "fleet"
 
     def sits(*args: str) -> None:
@@ -67,6 +126,7 @@ def _project(tmp_path: Path, env: dict[str, str]) -> Path:
     inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
     sits("keygen", "-o", "keys/release")
     deploy = project / "deploy.yaml"
+    deploy.write_text(re.sub(r"(?m)^  source: builtin:\S+", f"  source: {model}", deploy.read_text()))
     for version in ("1.0.0", "1.1.0"):
         deploy.write_text(re.sub(r"(?m)^  version: .*$", f"  version: {version}", deploy.read_text()))
         sits("build", "-q")
@@ -123,7 +183,9 @@ def _follow(line: str, cwd: Path, env: dict[str, str], log: Path) -> int:
 
 def test_operating_md_blocks_run_as_written(tmp_path: Path) -> None:
     lines = doc_lines()
-    assert any(line.startswith("sits-agent ") for line in lines) and any(LOCK_ID.search(x) for x in lines)
+    assert any(line.startswith("sits-agent ") for _, line in lines)
+    assert any(LOCK_ID.search(line) for _, line in lines)
+    assert any(heading == ADAPTERS for heading, _ in lines)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SITS_")}
     env |= {
         "PYTHONPATH": str(ROOT),
@@ -135,10 +197,19 @@ def test_operating_md_blocks_run_as_written(tmp_path: Path) -> None:
         "USB": str(tmp_path / "usb"),  # "Air-gapped sites": where the stick is mounted
     }
     (tmp_path / "usb").mkdir()
-    project = _project(tmp_path, env)
+    model = tmp_path / "cache" / "models" / f"{SMOLLM2_NAME}-v1"
+    project = _project(tmp_path, env, model)
     device = project / ".sits" / "fleet" / "dev1"  # kiosk-01's directory
+    adapter_sources: list[Path] = []
     try:
-        for line in lines:
+        for heading, line in lines:
+            if heading == ADAPTERS and not adapter_sources:
+                adapter_sources = _declare_adapters(project, model)
+            if heading == ADAPTERS and line.startswith("sed -i"):
+                for source in adapter_sources:
+                    _fine_tune(model, source, seed=2)
+            if "$ADAPTER" in line:
+                env["ADAPTER"] = _built_adapter(project, env)
             on_device = line.startswith("sits-agent ")
             cwd, line_env = (device, {**env, "SITS_ROOT": str(device)}) if on_device else (project, env)
             if found := LOCK_ID.search(line):
@@ -166,6 +237,14 @@ def test_operating_md_blocks_run_as_written(tmp_path: Path) -> None:
             "kiosk-02": "1.1.0",
         }
         assert not (project / ".sits" / "lock.json").exists()
+        # kiosk-02 was rolled back to summarise 1.0.0 by the fleet; kiosk-01 took 1.1.0 by hand,
+        # then went back to 1.0.0 by itself; neither adapter rollback touched the base (above).
+        for root in (device, project / ".sits" / "fleet" / "dev2"):
+            store = AdapterStore(DeviceStore(root).base)
+            assert (store.record("summarise").version, store.state("summarise").previous_version) == (
+                "1.0.0",
+                "1.1.0",
+            )
     finally:
         subprocess.run(
             [sys.executable, "-m", "deployer", "down", "-q", "-f", str(project / "deploy.yaml")],
