@@ -12,13 +12,18 @@ so rolling one adapter back or forward never moves another's counter or the base
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 from deployer.build.adapter import ADAPTERS_DIRNAME, AdapterBuild
 from deployer.build.store import STORE_DIRNAME, Store
 from deployer.config.models import Config
-from deployer.core.adapter_release import ADAPTER_MANIFEST, make_adapter_release, read_adapter_manifest
-from deployer.core.fsutil import atomic_write
+from deployer.core.adapter_release import (
+    ADAPTER_MANIFEST,
+    AdapterRelease,
+    make_adapter_release,
+    read_adapter_manifest,
+)
 from deployer.core.hashing import sha256_file
 from deployer.core.release import PatchRef
 from deployer.release.desired import Desired, Releaser
@@ -70,25 +75,7 @@ class AdapterReleaser(Releaser):
         self.patches_dir = self.base / "patches" / "adapters"
         self.ledger_path = self.releases_dir / "ledger.json"
 
-    def _issue(self, target: Desired, base: Desired | None, patch: Path | None, counter: int) -> Path:
-        from deployer.release.sign import add_signature, envelope_for
-
-        key = self.signing_key()
-        patch_ref = None
-        if base is not None and patch is not None:
-            patch_ref = PatchRef(
-                base_version=base.version,
-                base_sha256=base.artifact_sha256,
-                sha256=sha256_file(patch),
-                size=patch.stat().st_size,
-            )
-        signing = self.config.signing
-        assert signing is not None  # signing_key checked it
-        body = make_adapter_release(
-            target.artifact_dir, counter=counter, expires_in=signing.expires_in, patch=patch_ref
-        )
-        envelope = add_signature(envelope_for(body), key)
-        path = self._path(counter)
-        self.releases_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, envelope.to_bytes())
-        return path
+    def _release_body(
+        self, artifact_dir: Path, counter: int, expires_in: timedelta, patch: PatchRef | None
+    ) -> AdapterRelease:
+        return make_adapter_release(artifact_dir, counter=counter, expires_in=expires_in, patch=patch)

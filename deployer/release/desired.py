@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric import ec
 
     from deployer.build.progress import BuildProgress
+    from deployer.core.adapter_release import AdapterRelease
+    from deployer.core.release import Release
 
 __all__ = [
     "SITS_DIRNAME",
@@ -200,14 +202,18 @@ class Releaser:
             )
         signing = self.config.signing
         assert signing is not None  # signing_key checked it
-        body = make_release(
-            target.artifact_dir, counter=counter, expires_in=signing.expires_in, patch=patch_ref
-        )
+        body = self._release_body(target.artifact_dir, counter, signing.expires_in, patch_ref)
         envelope = add_signature(envelope_for(body), key)
         path = self._path(counter)
         self.releases_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(path, envelope.to_bytes())
         return path
+
+    def _release_body(
+        self, artifact_dir: Path, counter: int, expires_in: timedelta, patch: PatchRef | None
+    ) -> Release | AdapterRelease:
+        """The document `_issue` signs: a model release (an adapter's in AdapterReleaser)."""
+        return make_release(artifact_dir, counter=counter, expires_in=expires_in, patch=patch)
 
     def signing_key(self) -> ec.EllipticCurvePrivateKey:
         """deploy.yaml's release signing key. Raises KeyFileError (none named, unreadable, locked)."""
