@@ -35,6 +35,7 @@ from deployer.core.release import (
     FileHash,
     ModelRef,
     PatchRef,
+    check_artifact_id,
     format_time,
     parse_time,
 )
@@ -162,13 +163,7 @@ def parse_adapter_release(signed: Mapping[str, Any], where: str) -> AdapterRelea
     except ValidationError as exc:
         raise FormatError(f"{where}: malformed adapter release: {_first(exc)}") from exc
     parse_time(release.created)
-    listed = release.artifact.files.get(ADAPTER_MANIFEST)
-    if listed is None or listed.sha256 != release.artifact.sha256:
-        raise FormatError(
-            f"{where}: artifact id {release.artifact.sha256[:16]}... is not the sha256 of its "
-            f"{ADAPTER_MANIFEST}",
-            hint="the release was made wrongly; make it again with sits-deployer",
-        )
+    check_artifact_id(release.artifact, ADAPTER_MANIFEST, where)
     return release
 
 

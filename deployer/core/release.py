@@ -158,14 +158,20 @@ def parse_release(signed: dict[str, Any], where: str) -> Release:
         raise FormatError(f"{where}: malformed release: {_first(exc)}") from exc
     parse_time(release.created)
     parse_time(release.expires)
-    listed = release.artifact.files.get(MANIFEST_NAME)
-    if listed is None or listed.sha256 != release.artifact.sha256:
+    check_artifact_id(release.artifact, MANIFEST_NAME, where)
+    return release
+
+
+def check_artifact_id(artifact: ArtifactRef, manifest_name: str, where: str) -> None:
+    """A release's artifact id must be the sha256 of the manifest file it lists (a model's or an
+    adapter's). Raises FormatError."""
+    listed = artifact.files.get(manifest_name)
+    if listed is None or listed.sha256 != artifact.sha256:
         raise FormatError(
-            f"{where}: artifact id {release.artifact.sha256[:16]}... is not the sha256 of its "
-            f"{MANIFEST_NAME} ({listed.sha256[:16] + '...' if listed else 'not listed'})",
+            f"{where}: artifact id {artifact.sha256[:16]}... is not the sha256 of its "
+            f"{manifest_name} ({listed.sha256[:16] + '...' if listed else 'not listed'})",
             hint="the release was made wrongly; make it again with sits-deployer release",
         )
-    return release
 
 
 def read_envelope(path: Path) -> Envelope:
