@@ -58,8 +58,6 @@ def child_agent(device: str, threads: int, compile_: str, model: Path) -> None:
     """An agent serving SmolLM2 with the bench's adapters installed; prints its port, serves until
     stdin closes."""
     from deployer.agent.engines import make_engine
-    from deployer.agent.engines.base import Engine
-    from deployer.agent.http.server import AgentServer
     from deployer.agent.ota.adapters import AdapterStore
     from deployer.agent.ota.store import DeviceStore
     from deployer.agent.settings import AgentSettings
@@ -84,26 +82,16 @@ def child_agent(device: str, threads: int, compile_: str, model: Path) -> None:
         latency_budget_ms=120_000,
     )
 
-    made: list[Engine] = []
+    from bench.serve import serve_for_parent
 
-    def factory() -> Engine:
-        made.append(
-            make_engine(
-                "torch", context_length=CONTEXT, device=device, threads=threads, slots=16, compile=compile_
-            )
-        )
-        return made[-1]
-
-    server = AgentServer(settings, factory)
-    server.start()
-    result = server.reload(model, "v1")
-    if not result.ok:
-        raise SystemExit(f"load failed: {result.reason}")
-    if compile_ == "on" and not made[-1].wait_compiled(1800):
-        raise SystemExit("the background compile took more than 30 minutes")
-    print(server.port, flush=True)
-    sys.stdin.read()
-    server.stop()
+    serve_for_parent(
+        settings,
+        lambda: make_engine(
+            "torch", context_length=CONTEXT, device=device, threads=threads, slots=16, compile=compile_
+        ),
+        model,
+        compile_,
+    )
 
 
 def bench_model(args: argparse.Namespace) -> Path:

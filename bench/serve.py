@@ -91,7 +91,6 @@ def child_agent(
     """An agent on 127.0.0.1 serving the artifact; prints its port (once a background compile
     is done), serves until stdin closes."""
     from deployer.agent.engines import make_engine
-    from deployer.agent.http.server import AgentServer
     from deployer.agent.settings import AgentSettings
 
     settings = AgentSettings(
@@ -107,25 +106,36 @@ def child_agent(
         latency_budget_ms=120_000,  # a busy machine must not turn the bench into a load failure
     )
 
+    serve_for_parent(
+        settings,
+        lambda: make_engine(
+            engine,
+            context_length=CONTEXT,
+            device=device,
+            threads=threads,
+            slots=settings.max_concurrent,
+            compile=compile_,
+            draft=draft,
+        ),
+        artifact_dir,
+        compile_,
+    )
+
+
+def serve_for_parent(settings, make_one, model_dir: Path, compile_: str) -> None:
+    """Serve `model_dir` as v1 with engines from `make_one()`; print the port (once a background
+    compile is done) for the parent process, and serve until its stdin closes."""
+    from deployer.agent.http.server import AgentServer
+
     made = []
 
     def factory():
-        made.append(
-            make_engine(
-                engine,
-                context_length=CONTEXT,
-                device=device,
-                threads=threads,
-                slots=settings.max_concurrent,
-                compile=compile_,
-                draft=draft,
-            )
-        )
+        made.append(make_one())
         return made[-1]
 
     server = AgentServer(settings, factory)
     server.start()
-    result = server.reload(artifact_dir, "v1")
+    result = server.reload(model_dir, "v1")
     if not result.ok:
         raise SystemExit(f"load failed: {result.reason}")
     if compile_ == "on" and not made[-1].wait_compiled(1800):
