@@ -6,12 +6,13 @@ Real PEFT adapters of the tiny model (q, k and v targeted, so the rotary row ord
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from deployer.agent.engines.llamacpp.engine import LlamaCppEngine
-from deployer.agent.types import SamplingParams
+from deployer.agent.types import ChatMessage, SamplingParams
 from deployer.build.demo_model import make_tiny_checkpoint
 from deployer.core.lora import read_adapter
 from deployer.errors import AgentError, FormatError
@@ -125,5 +126,52 @@ def test_an_adapter_of_another_base_or_without_its_gguf_is_refused(
             _load(engine, "a", tmp_path / "safetensors-only")
         assert engine.describe().extra["adapters"] == "-"
         assert _greedy(engine) == base
+    finally:
+        engine.unload()
+
+
+def test_smollm2_adapter_answers_as_the_merged_model_alone_and_beside_the_base(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """A rank-8 q/v PEFT adapter of SmolLM2-135M-Instruct as the issue sizes it, on its F16 GGUF:
+    greedy chat answers with the adapter are those of the F16 GGUF of the checkpoint with it merged
+    in, alone and with the base's and the adapter's rows in one step, and differ from the base's."""
+    base = build_gguf(smollm2_dir, tmp_path / "store", scheme="fp16")
+    adapter = build_gguf_adapter(
+        smollm2_dir, base, tmp_path / "store", name="a", seed=5, targets=("q_proj", "v_proj"), b_std=0.02
+    )
+    merged_dir = merged_checkpoint(smollm2_dir, adapter, tmp_path / "merged")
+    merged = build_gguf(merged_dir, tmp_path / "m", scheme="fp16")
+    questions = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish."]
+    params = SamplingParams(max_tokens=24, temperature=0)
+
+    def answers(engine: LlamaCppEngine, adapter: str | None = None) -> list[list[int]]:
+        ask = SamplingParams(max_tokens=24, temperature=0, adapter=adapter)
+        return [
+            [e.token_id for e in engine.stream(engine.chat_prompt([ChatMessage("user", q)]), ask)]
+            for q in questions
+        ]
+
+    engine = _engine(merged)
+    try:
+        want = answers(engine)
+    finally:
+        engine.unload()
+    engine = _engine(base)
+    try:
+        _load(engine, "a", adapter)
+        assert answers(engine, "a") == want != answers(engine)
+        prompts = [engine.chat_prompt([ChatMessage("user", q)]) for q in questions]
+        items = [
+            (2 * i + k, p, replace(params, adapter=key))
+            for i, p in enumerate(prompts[:2])
+            for k, key in enumerate(("a", None))
+        ]
+        got: list[list[int | Exception]] = [[t] for t in engine.prefill_many(items)]
+        for _ in range(23):
+            for row, token in zip(got, engine.step([slot for slot, *_ in items]), strict=True):
+                row.append(token)
+        # Stepped past a stream's end token: the answers are what came before it.
+        assert [row[: len(w)] for row, w in zip(got[0::2], want, strict=False)] == want[:2]
     finally:
         engine.unload()
