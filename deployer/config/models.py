@@ -282,8 +282,11 @@ class AdapterSpec(_Model):
     engine requests for different adapters share decode steps: 1, 4 and 16 clients on 4 adapters got
     0.90, 0.80 and 1.04 times the tokens per second of as many clients on the base, on 2 shared
     cores under load, but only 0.06-0.08 times on an H100, where steps with adapter rows leave the
-    CUDA graphs (bench/adapters.py; docs/openai-api.md). The llama.cpp engine serves no adapters
-    (llama-cpp-python applies a LoRA to a whole context, not per request): its agent refuses one.
+    CUDA graphs (bench/adapters.py; docs/openai-api.md). The llama.cpp engine serves the adapter's
+    LoRA GGUF, which the build writes for a GGUF base; llama.cpp applies an adapter to a whole
+    context, so there requests for different adapters do not batch together: 4 clients on 4
+    adapters got 0.45 times the base's tokens per second, on one adapter 0.93
+    (bench/adapters.py --engine llama.cpp).
     """
 
     name: Annotated[

@@ -33,3 +33,23 @@ def make_peft_adapter(
                 param.copy_(torch.randn(param.shape, generator=generator) * b_std)
     peft_model.save_pretrained(dest)
     return dest
+
+
+def merged_checkpoint(model_dir: Path, adapter_dir: Path, dest: Path) -> Path:
+    """A copy of `model_dir` with factor * B @ A of the adapter artifact `adapter_dir` added to each
+    target module in fp32: the reference an adapter's outputs are compared with."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from deployer.core.lora import read_adapter
+
+    shutil.copytree(model_dir, dest)
+    adapter = read_adapter(adapter_dir)
+    state = load_file(dest / "model.safetensors")
+    for module, (a, b) in adapter.tensors.items():
+        delta = torch.from_numpy(b).float() @ torch.from_numpy(a).float()
+        state[f"{module}.weight"] = state[f"{module}.weight"] + adapter.factor * delta
+    save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest

@@ -4,7 +4,6 @@ rotary row permutation of q and k is checked too)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,26 +11,10 @@ import numpy as np
 from deployer.build.adapter import AdapterBuildRequest, build_adapter
 from deployer.core.gguf_io import read_gguf_header
 from deployer.core.hashing import sha256_file
-from deployer.core.lora import read_adapter
 from tests.agent.engines.llamacpp.conftest import build_gguf, needs_llama_cpp
-from tests.agent.lora_helpers import make_peft_adapter
+from tests.agent.lora_helpers import make_peft_adapter, merged_checkpoint
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
-
-
-def _merged(tiny: Path, adapter_dir: Path, dest: Path) -> Path:
-    """`tiny` with factor * B @ A added to each target module in fp32: the reference model."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(tiny, dest)
-    adapter = read_adapter(adapter_dir)
-    state = load_file(dest / "model.safetensors")
-    for module, (a, b) in adapter.tensors.items():
-        delta = torch.from_numpy(b).float() @ torch.from_numpy(a).float()
-        state[f"{module}.weight"] = state[f"{module}.weight"] + adapter.factor * delta
-    save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest
 
 
 def _logits(model: Path, lora: Path | None = None) -> np.ndarray:
@@ -76,7 +59,7 @@ def test_llama_cpp_with_the_gguf_adapter_matches_the_merged_model(tiny_model_dir
     assert "blk.1.attn_k.weight.lora_b" in header.by_name()
 
     merged = build_gguf(
-        _merged(tiny_model_dir, built.artifact_dir, tmp_path / "merged"), tmp_path / "m", "fp32"
+        merged_checkpoint(tiny_model_dir, built.artifact_dir, tmp_path / "merged"), tmp_path / "m", "fp32"
     )
     reference = _logits(merged / "model.gguf")
     with_adapter = _logits(base / "model.gguf", built.artifact_dir / "adapter.gguf")

@@ -128,7 +128,7 @@ class AdapterSet:
         if not engine.serves_adapters:
             raise AgentError(
                 f"the {type(engine).__name__} serves no LoRA adapters",
-                hint="serve the model with the torch engine (docs/openai-api.md, LoRA adapters)",
+                hint="serve the model with the torch or llama.cpp engine (docs/openai-api.md, LoRA adapters)",
             )
         adapter = read_adapter(record.path)
         if adapter.name != record.name:

@@ -159,7 +159,7 @@ def test_start_up_rolls_back_an_adapter_that_fails_to_load(
 
 
 class NoAdapters(EngineWrapper):
-    """The real torch engine, as an engine that serves no adapters (the llama.cpp engine today)."""
+    """The real torch engine, as an engine that serves no adapters."""
 
     serves_adapters = False
 

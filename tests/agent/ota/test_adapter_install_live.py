@@ -20,6 +20,7 @@ from deployer.build.adapter import AdapterBuild, AdapterBuildRequest, build_adap
 from deployer.core.adapter_release import make_adapter_release
 from deployer.core.verify import TrustedKeys, key_id
 from deployer.release.sign import add_signature, envelope_for
+from tests.agent.engines.llamacpp.conftest import needs_llama_cpp
 from tests.agent.engines.torch.steps import PROMPTS
 from tests.agent.lora_helpers import make_peft_adapter
 from tests.release.helpers import artifact_id, build
@@ -92,3 +93,64 @@ def test_install_hot_loads_and_smokes_each_version_and_rollback_restores_the_las
     assert ask(base_model) == base_answer  # the base served throughout, untouched
     smoke = installer.control.smoke("summarise")  # what install asked after each reload
     assert (smoke.ok, smoke.served) == (True, True) and smoke.detail.startswith("smoke prompts answered")
+
+
+@needs_llama_cpp
+def test_an_install_to_a_llama_cpp_agent_hot_loads_and_another_bases_adapter_is_refused(
+    start_agent, tiny_model_dir, tmp_path
+) -> None:
+    """The same install against the llama.cpp engine: its LoRA GGUF loaded on the served GGUF while
+    the base serves. An adapter of another base (a wider tiny model) is refused by the release's
+    base check, and, put in the store past it, by the engine's own: 409, the device serving on."""
+    from deployer.agent.engines import make_engine
+    from deployer.build.demo_model import make_tiny_checkpoint
+    from deployer.errors import BaseMismatchError
+    from tests.agent.engines.llamacpp.conftest import build_gguf, build_gguf_adapter
+
+    agent = start_agent(
+        load=False,
+        engine="llama.cpp",
+        factory=lambda: make_engine("llama.cpp", context_length=256, threads=1),
+    )
+    tiny_gguf_dir = build_gguf(tiny_model_dir, tmp_path / "store")
+    assert agent.reload(tiny_gguf_dir, "v1").ok
+    base_id = artifact_id(tiny_gguf_dir)
+    summarise = build_gguf_adapter(
+        tiny_model_dir, tiny_gguf_dir, tmp_path / "store", name="summarise", seed=5
+    )
+    wide = make_tiny_checkpoint(tmp_path / "wide", hidden_size=96)
+    wide_base = build_gguf(wide, tmp_path / "wide-store", scheme="fp32")
+    other = build_gguf_adapter(wide, wide_base, tmp_path / "wide-store", name="extract", seed=5)
+    store = AdapterStore(DeviceStore(agent.settings.root).base)
+    installer = AdapterInstaller(
+        store,
+        http_adapter_control(agent.settings),
+        trusted=lambda: TrustedKeys({key_id(KEY.public_key()): KEY.public_key()}, 1),
+        base_artifact_id=lambda: base_id,
+    )
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{agent.port}/v1", api_key="none", max_retries=0)
+
+    def ask(model: str) -> tuple[str, str]:
+        answer = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        return answer.choices[0].text, answer.model
+
+    base_model = next(m.id for m in client.models.list())
+    base_answer = ask(base_model)
+    body = make_adapter_release(summarise, counter=1, expires_in=timedelta(days=1))
+    (tmp_path / "r1.json").write_bytes(add_signature(envelope_for(body), KEY).to_bytes())
+    installed = installer.install(tmp_path / "r1.json", artifact=summarise)
+    assert installed.version == "1.0.0"
+    listed = {m.id: m.model_dump() for m in client.models.list()}
+    assert (listed["summarise"]["parent"], listed["summarise"]["loaded"]) == (base_model, True)
+    with_adapter = ask("summarise")
+    assert with_adapter[1] == "summarise@1.0.0" and with_adapter[0] != base_answer[0]
+
+    body = make_adapter_release(other, counter=1, expires_in=timedelta(days=1))
+    (tmp_path / "r2.json").write_bytes(add_signature(envelope_for(body), KEY).to_bytes())
+    with pytest.raises(BaseMismatchError):
+        installer.install(tmp_path / "r2.json", artifact=other)
+    store.install("extract", other, other.name, "1.0.0", 1)  # past the release's check
+    reload = installer.control.reload("extract")
+    assert not reload.ok and "does not fit the model served" in reload.detail
+    assert "extract" not in {m.id for m in client.models.list()}
+    assert ask(base_model) == base_answer and ask("summarise") == with_adapter

@@ -25,6 +25,13 @@ dearer than its sequences one by one, so `measure_steps` times a step of each ba
 warm-up) and `group_size` then says how many sequences the next step should take so that a round
 of steps costs least.
 
+LoRA adapters (llama.cpp's LoRA GGUF, `load_adapter`) apply to the whole context, not to a sequence
+(`llama_set_adapters_lora`), so sequences of different adapters cannot share a `llama_decode`: a
+step or a prefill decodes its slots in one batch per adapter, the adapter set on the context
+already first, as llama.cpp's server splits its batches by adapter. Each switch makes llama.cpp
+reserve its compute graphs again before the next decode. A slot's cache holds keys and values
+computed with its adapter, so a prefix is reused only from a cache of the same adapter.
+
 Not thread-safe: the engine calls everything here on its one llama.cpp thread.
 """
 
@@ -34,9 +41,10 @@ import ctypes
 import math
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -50,6 +58,7 @@ __all__ = ["BatchContext", "PrefillItem", "cheapest_group", "measured_sizes"]
 # (slot, prompt, sampling, logit processing) of one sequence to start
 PrefillItem = tuple[int, Sequence[int], SamplingParams, "TokenProcessor | None"]
 
+T = TypeVar("T")
 _MEASURED_UP_TO = 64  # bigger batches cost about proportionally more on a CPU: extrapolated
 
 
@@ -60,6 +69,7 @@ class _Slot:
     sampler: Any = None  # llama_sampler_p while a request runs
     processor: TokenProcessor | None = None  # the request's logit processing, if it asked for any
     logprobs: TokenLogprobs | None = None  # of `last`, when the processor computes them
+    adapter: str | None = None  # the adapter key `cached` was computed with (None: the base)
 
 
 class BatchContext:
@@ -91,6 +101,9 @@ class BatchContext:
                 hint="lower max_concurrent or context_length in agent.yaml",
             )
         self._ctx = ctx
+        self._model = model
+        self._adapters: dict[str, Any] = {}  # key -> llama_adapter_lora_p
+        self._active: str | None = None  # the adapter set on the context (None: the base alone)
         self._memory = lib.llama_get_memory(ctx)
         self._n_batch = params.n_batch
         self._batch = lib.llama_batch_init(self._n_batch, 0, 1)
@@ -141,18 +154,26 @@ class BatchContext:
                 continue
             state = self._slot(slot)
             self._free_sampler(state)
+            if state.adapter != params.adapter:
+                self._forget(slot)  # its cache holds keys and values of another adapter
+                state.adapter = params.adapter
             state.sampler = self._new_sampler(params)
             state.processor, state.logprobs = processor, None
             # Beside the caches that exist, a prompt decoded in this call may be a better donor.
             _, known = self._donor(slot, prompt)
-            ahead = max((common_prefix(p, prompt) for _, p in first), default=0)
+            ahead = max(
+                (common_prefix(p, prompt) for s, p in first if self._slots[s].adapter == state.adapter),
+                default=0,
+            )
             (later if min(ahead, len(prompt) - 1) - known >= SHARE_FROM else first).append(
                 (slot, list(prompt))
             )
         for group in (first, later):
             for slot, prompt in group:
                 self._reuse(slot, prompt)
-            results.update(self._decode_prompts(group))
+            for adapter, entries in self._by_adapter(group, lambda entry: entry[0]):
+                self._use(adapter)
+                results.update(self._decode_prompts(entries))
         return [results[slot] for slot, *_ in items]
 
     def step(self, slots: Sequence[int]) -> list[int | Exception]:
@@ -170,12 +191,13 @@ class BatchContext:
             if len(state.cached) + 1 >= self.context_length:
                 results[s] = AgentError(f"slot {s} is full ({self.context_length} tokens)")
         live = [(s, state) for s, state in zip(slots, states, strict=True) if s not in results]
-        if live:
-            self._fill([(state.last, len(state.cached), s, True) for s, state in live])
+        for adapter, group in self._by_adapter(live, lambda entry: entry[0]):
+            self._use(adapter)
+            self._fill([(state.last, len(state.cached), s, True) for s, state in group])
             self._decode()
-        for row, (s, state) in enumerate(live):
-            state.cached.append(state.last)
-            results[s] = self._next_token(state, row)
+            for row, (s, state) in enumerate(group):
+                state.cached.append(state.last)
+                results[s] = self._next_token(state, row)
         for s, state in zip(slots, states, strict=True):
             if isinstance(results[s], Exception):
                 self._free_sampler(state)  # the sequence has ended
@@ -193,6 +215,7 @@ class BatchContext:
         # CPU time of this thread when it computes alone (other processes' load does not count),
         # wall time when llama.cpp's OpenMP team computes on other threads as well.
         clock = time.thread_time if self._threads == 1 else time.perf_counter
+        self._use(None)
         self._clear(sizes[-1])
         costs = dict.fromkeys(sizes, math.inf)
         positions = [0] * sizes[-1]
@@ -222,14 +245,50 @@ class BatchContext:
         """End the slot's sequence; its cache stays for a prompt that shares its prefix."""
         self._free_sampler(self._slot(slot))
 
+    def load_adapter(self, key: str, path: Path) -> None:
+        """Load the LoRA GGUF at `path` on the model under `key` (`SamplingParams.adapter` names
+        it). AgentError when the key is taken or llama.cpp refuses the file (nothing loaded)."""
+        if key in self._adapters:
+            raise AgentError(f"an adapter is already loaded under {key!r}", hint="unload it first")
+        adapter = self._lib.llama_adapter_lora_init(self._model, str(path).encode())
+        if not adapter:
+            raise AgentError(
+                f"{path}: llama.cpp refused the LoRA adapter (its tensors do not fit this model)",
+                hint="build the adapter for the base served; the journal has llama.cpp's reason",
+            )
+        self._adapters[key] = adapter
+
+    def unload_adapter(self, key: str) -> None:
+        """Free the adapter loaded under `key` (no running sequence may use it); the caches
+        computed with it are forgotten. Nothing when none is loaded under `key`."""
+        adapter = self._adapters.pop(key, None)
+        if adapter is None:
+            return
+        if self._active == key:
+            self._use(None)  # the context must not hold a freed adapter
+        for slot, state in enumerate(self._slots):
+            if state.adapter == key:
+                self._forget(slot)
+                state.adapter = None
+        self._lib.llama_adapter_lora_free(adapter)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The keys of the adapters loaded, sorted."""
+        return sorted(self._adapters)
+
     def close(self) -> None:
-        """Free the samplers, the batch and the context; the object cannot be used afterwards."""
+        """Free the samplers, the batch, the context and the adapters; the object cannot be used
+        afterwards."""
         for state in self._slots:
             self._free_sampler(state)
         if self._ctx:
             self._lib.llama_batch_free(self._batch)
             self._lib.llama_free(self._ctx)
             self._ctx = None
+        for adapter in self._adapters.values():
+            self._lib.llama_adapter_lora_free(adapter)
+        self._adapters.clear()
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -248,6 +307,35 @@ class BatchContext:
             )
         if bad := next((t for t in prompt if not 0 <= t < self._n_vocab), None):
             raise AgentError(f"token id {bad} is not in the vocabulary of {self._n_vocab} tokens")
+        if params.adapter is not None and params.adapter not in self._adapters:
+            raise AgentError(f"no adapter is loaded under {params.adapter!r}", hint="load it first")
+
+    def _use(self, adapter: str | None) -> None:
+        """Set `adapter` (None: none) on the context for the next decodes, when it is not set yet."""
+        if adapter == self._active:
+            return
+        if adapter is None:
+            self._lib.llama_set_adapters_lora(self._ctx, None, 0, None)
+        else:
+            adapters = (self._lib.llama_adapter_lora_p_ctypes * 1)(self._adapters[adapter])
+            # The user's scale is folded into the GGUF's alpha at build time (build/gguf_adapter.py).
+            self._lib.llama_set_adapters_lora(self._ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
+        self._active = adapter
+
+    def _by_adapter(
+        self, entries: Sequence[T], slot_of: Callable[[T], int]
+    ) -> Iterator[tuple[str | None, list[T]]]:
+        """`entries` grouped by their slot's adapter (`slot_of(entry)`), in order within a group; the
+        group of the adapter set on the context now comes first (one switch fewer)."""
+        groups: dict[str | None, list[T]] = {}
+        for entry in entries:
+            groups.setdefault(self._slots[slot_of(entry)].adapter, []).append(entry)
+        yield from sorted(groups.items(), key=lambda item: item[0] != self._active)
+
+    def _forget(self, slot: int) -> None:
+        """Empty `slot`'s cache."""
+        self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        self._slots[slot].cached = []
 
     def _reuse(self, slot: int, prompt: list[int]) -> None:
         """Cut `slot`'s cache to the longest prefix of `prompt` that it, or another slot whose
@@ -307,14 +395,17 @@ class BatchContext:
         return state.last
 
     def _donor(self, slot: int, prompt: Sequence[int]) -> tuple[int | None, int]:
-        """See base.prefix_donor."""
-        return prefix_donor(slot, prompt, [state.cached for state in self._slots])
+        """See base.prefix_donor; only a cache computed with `slot`'s adapter can lend its prefix."""
+        adapter = self._slots[slot].adapter
+        return prefix_donor(
+            slot, prompt, [state.cached if state.adapter == adapter else [] for state in self._slots]
+        )
 
     def _clear(self, slots: int) -> None:
-        """Empty the caches of slots 0 to `slots` - 1."""
-        for slot, state in enumerate(self._slots[:slots]):
-            self._lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
-            state.cached = []
+        """Empty the caches of slots 0 to `slots` - 1 (computed with the base, by `measure_steps`)."""
+        for slot in range(slots):
+            self._forget(slot)
+            self._slots[slot].adapter = None
 
     def _fill(self, entries: Sequence[tuple[int, int, int, bool]]) -> None:
         """Write (token, position, sequence, wants logits) entries into the batch."""

@@ -37,6 +37,7 @@ from deployer.agent.engines.logits import TokenProcessor, Vocabulary
 from deployer.agent.engines.textstream import token_events
 from deployer.agent.types import ChatMessage, EngineInfo, SamplingParams, TokenEvent, TokenLogprobs
 from deployer.core.gguf_io import GGUF_FILE, GGUFHeader, read_gguf_header
+from deployer.core.lora import ADAPTER_GGUF, LoraAdapter
 from deployer.core.manifest import MANIFEST_NAME, read_manifest
 from deployer.errors import AgentError, FormatError
 
@@ -300,6 +301,31 @@ class LlamaCppEngine(Engine):
             count += int(n)
         return vectors, count
 
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    serves_adapters = True
+
+    def load_adapter(self, key: str, adapter: LoraAdapter, directory: Path) -> None:
+        """See Engine.load_adapter: the artifact's LoRA GGUF (`adapter.gguf`, which the build writes
+        for an adapter of a GGUF base), checked by our own reader, then loaded by llama.cpp on the
+        model. Requests of different adapters are decoded in separate batches (see batch.py).
+        Raises FormatError for a corrupt GGUF, AgentError for one that does not fit the model."""
+        loaded = self._require()
+        path = directory / ADAPTER_GGUF
+        if not path.is_file():
+            raise AgentError(
+                f"adapter {adapter.name} {adapter.version}: {directory} has no {ADAPTER_GGUF} (the "
+                "llama.cpp engine runs llama.cpp's LoRA GGUF)",
+                hint="build the adapter for this agent's GGUF base artifact; the build then writes it",
+            )
+        _check_adapter_gguf(read_gguf_header(path), loaded.header)
+        _on_llama_thread(loaded.batch.load_adapter, key, path)
+
+    def unload_adapter(self, key: str) -> None:
+        """See Engine.unload_adapter: llama_adapter_lora_free, the caches computed with it forgotten."""
+        if self._loaded is not None:
+            _on_llama_thread(self._loaded.batch.unload_adapter, key)
+
     # -- generation ------------------------------------------------------------------------
 
     @property
@@ -421,6 +447,7 @@ class LlamaCppEngine(Engine):
                 "mmap": "true",
                 "llama_cpp_python": getattr(self._llama_cpp, "__version__", "unknown"),
                 "architecture": loaded.header.string("general.architecture") or "unknown",
+                "adapters": ", ".join(loaded.batch.adapters) or "-",
                 "step_ms": " ".join(
                     f"{k}:{seconds * 1000:.1f}" for k, seconds in sorted(loaded.batch.step_costs.items())
                 )
@@ -456,6 +483,44 @@ def _facts(artifact_dir: Path, header: GGUFHeader) -> tuple[str, str, str]:
             hint="the artifact is corrupt or mixed from two builds; reinstall it",
         )
     return manifest.model.name, manifest.model.version, quantization
+
+
+def _check_adapter_gguf(adapter: GGUFHeader, base: GGUFHeader) -> None:
+    """FormatError unless `adapter` is a LoRA GGUF whose factors fit `base`'s tensors: each
+    ``W.lora_a`` [in, rank] and ``W.lora_b`` [rank, out] (ggml order) of a 2-D tensor W of the base
+    with rows of `in` and `out` rows, so llama.cpp is never handed another model's adapter."""
+    path = adapter.path
+    if (adapter.string("general.type"), adapter.string("adapter.type")) != ("adapter", "lora"):
+        raise FormatError(f"{path}: not a LoRA adapter GGUF", hint="rebuild the adapter")
+    arch, base_arch = adapter.string("general.architecture"), base.string("general.architecture")
+    if arch != base_arch:
+        raise FormatError(
+            f"{path}: an adapter of a {arch} model; the model served is {base_arch}",
+            hint="install the adapter built for this base model",
+        )
+    weights = base.by_name()
+    factors = adapter.by_name()
+    for name, a in factors.items():
+        if not name.endswith(".lora_a"):
+            continue
+        target = name.removesuffix(".lora_a")
+        weight, b = weights.get(target), factors.get(f"{target}.lora_b")
+        fits = (
+            weight is not None
+            and b is not None
+            and len(weight.shape) == len(a.shape) == len(b.shape) == 2
+            and a.shape[0] == weight.shape[0]
+            and b.shape[1] == weight.shape[1]
+            and a.shape[1] == b.shape[0]
+        )
+        if not fits:
+            raise FormatError(
+                f"{path}: {name} does not fit the model served ({target} is "
+                f"{weight.shape if weight else 'absent'} there)",
+                hint="the adapter was built for another base; install the one built for this base",
+            )
+    if not factors:
+        raise FormatError(f"{path}: the adapter has no tensors", hint="rebuild the adapter")
 
 
 def _special_tokens(header: GGUFHeader) -> dict[str, str]:

@@ -55,3 +55,34 @@ def tiny_gguf_dir_b(tiny_model_dir_b: Path, gguf_store: Path) -> Path:
 def smollm2_gguf_dir(smollm2_dir: Path, gguf_store: Path) -> Path:
     """SmolLM2-135M-Instruct as a Q4_1 GGUF artifact (int4, group size 32). Read-only."""
     return build_gguf(smollm2_dir, gguf_store, scheme="int4")
+
+
+def build_gguf_adapter(
+    source: Path,
+    base: Path,
+    store: Path,
+    *,
+    name: str,
+    seed: int,
+    version: str = "1.0.0",
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj"),
+    b_std: float = 0.5,
+) -> Path:
+    """A real PEFT adapter of `source` (seeded), built as an adapter artifact for the GGUF artifact
+    `base` of it (so with its adapter.gguf) into `store`; returns the adapter artifact directory."""
+    from deployer.build.adapter import AdapterBuildRequest, build_adapter
+    from deployer.core.hashing import sha256_file
+    from tests.agent.lora_helpers import make_peft_adapter
+
+    peft = make_peft_adapter(source, store / f"peft-{name}-{seed}", seed=seed, targets=targets, b_std=b_std)
+    request = AdapterBuildRequest(
+        name=name,
+        version=version,
+        peft_dir=peft,
+        scale=1.0,
+        base_artifact_dir=base,
+        base_artifact_id=sha256_file(base / "sits-manifest.json"),
+        base_source_dir=source,
+        store_dir=store,
+    )
+    return build_adapter(request).artifact_dir
