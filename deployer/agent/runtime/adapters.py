@@ -27,6 +27,7 @@ from deployer.agent.notify import lifecycle_event
 from deployer.agent.ota.adapters import AdapterRecord, AdapterStore
 from deployer.agent.runtime.scheduler import Scheduler
 from deployer.core.lora import LoraAdapter, read_adapter
+from deployer.core.memory import lora_bytes
 from deployer.errors import AgentError, SitsError
 
 __all__ = ["AdapterSet", "AdapterSource", "LoadedAdapter", "OtherBase", "adapter_memory_bytes"]
@@ -63,7 +64,7 @@ class LoadedAdapter:
 
 def adapter_memory_bytes(adapter: LoraAdapter) -> int:
     """What an adapter holds on the engine: its factors in fp32 (the torch engine's low-rank path)."""
-    return adapter.nbytes * 2  # the artifact is fp16
+    return lora_bytes(sum(a.size + b.size for a, b in adapter.tensors.values()))
 
 
 class AdapterSet:
