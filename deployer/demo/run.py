@@ -149,8 +149,10 @@ def _story(project: DemoProject, options: DemoOptions) -> None:
     if options.engine == "torch":
         _adapter_story(project)
     else:
+        # The quickstart gates every build, and an adapter's quality gate needs a safetensors base.
         console().print(
-            f"(The LoRA adapter part is the torch engine's: the {options.engine} engine serves no adapters.)"
+            "(The LoRA adapter part runs on the torch engine: an adapter's quality gate, which "
+            "this deploy.yaml sets, needs a safetensors base, not a GGUF one.)"
         )
 
 
