@@ -44,6 +44,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
+from deployer.core.memory import ADAPTER_BUDGET_MB
 from deployer.core.yaml_words import on_off
 from deployer.errors import ConfigError
 
@@ -158,7 +159,7 @@ class AgentSettings(BaseModel):
     swap_policy: Literal["side-by-side", "unload-first", "auto"] = "auto"
     drain_timeout_s: float = Field(default=60.0, gt=0, description="unload-first: wait for in-flight")
     adapter_memory_mb: float = Field(
-        default=256.0,
+        default=ADAPTER_BUDGET_MB,
         gt=0,
         description="LoRA adapters loaded at once hold at most this (their factors in fp32); loading "
         "one past it unloads the least recently used",

@@ -34,7 +34,8 @@ from deployer.cli.common import examples
 )
 def demo(workdir: Path | None, keep: bool, finetune_steps: int, engine: str) -> None:
     """Run the demo: 3 local devices, v1 (int8), a fine-tuned v2 as a canary delta under live
-    traffic, then a fleet rollback to v1. Stops its agents and cleans up after itself."""
+    traffic, a fleet rollback to v1, then (torch engine) a LoRA adapter rolled out, updated and
+    rolled back under live traffic. Stops its agents and cleans up after itself."""
     from deployer.demo.run import DemoOptions, run_demo
 
     run_demo(DemoOptions(workdir=workdir, keep=keep, finetune_steps=finetune_steps, engine=engine))

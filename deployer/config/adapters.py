@@ -11,6 +11,7 @@ device, so two adapters, or an adapter and the base, cannot share one.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from deployer.config.estimate import ModelShape
 from deployer.config.findings import FieldPath, Finding
 from deployer.config.models import AdapterSpec, ModelSpec
 from deployer.config.sourcemap import SourceMap
+from deployer.core.memory import lora_bytes
 from deployer.core.safetensors_io import TensorEntry, read_header
 from deployer.errors import FormatError
 
@@ -89,6 +91,20 @@ def adapter_findings(
         seen.setdefault(spec.name, index)
         findings += _source_findings(model, spec, shape, _Where(positions, (*at, "source")), resolve)
     return findings
+
+
+def adapter_memory(model: ModelSpec, resolve: Resolver) -> int:
+    """Bytes `model.adapters` hold when all are loaded: the factors their safetensors headers
+    declare, as the engine holds them (an unreadable adapter counts nothing: its finding says why)."""
+    total = 0
+    for spec in model.adapters:
+        try:
+            header = read_header(resolve(spec.source) / PEFT_WEIGHTS)
+        except FormatError:
+            continue
+        elements = sum(math.prod(e.shape) for name, e in header.by_name().items() if _KEY.match(name))
+        total += lora_bytes(elements)
+    return total
 
 
 def _source_findings(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deployer.config import fit
-from deployer.config.adapters import adapter_findings
+from deployer.config.adapters import adapter_findings, adapter_memory
 from deployer.config.estimate import SMOLLM2_SHAPE, ModelShape, estimate_memory
 from deployer.config.findings import FieldPath, Finding
 from deployer.config.keyfiles import KeyProblem, private_key_problem, public_key_problem
@@ -91,7 +91,8 @@ def run_checks(given: CheckInput) -> list[Finding]:
         used = {d.profile for d in given.fleet if d.profile}
         findings += fit.quota_findings(given.resources, given.profiles, used, given.positions)
         if shape is not None and given.model is not None and given.agent is not None:
-            estimate = estimate_memory(shape, given.model, given.agent)
+            adapters = adapter_memory(given.model, given.resolve)
+            estimate = estimate_memory(shape, given.model, given.agent, adapter_bytes=adapters)
             findings += fit.model_fit_findings(
                 given.model, estimate, given.resources, given.profiles, used, given.positions
             )

@@ -2,8 +2,9 @@
 
 weights (parameters x bytes per parameter of each module's scheme, int4 with its per-group scale
 and zero point) + KV cache (max_concurrent x max_tokens) + the engine's own overhead + the torch
-engine's int4 draft where agent.draft asks for one, with the weights (and the draft) counted twice
-when new and old models are held side by side during a swap.
+engine's int4 draft where agent.draft asks for one + the LoRA adapters of `model.adapters`
+(their factors as the engine holds them, at most the agent's adapter budget), with the weights (and
+the draft) counted twice when new and old models are held side by side during a swap.
 The shape comes from the source's config.json; the builtin demo model's shape is known
 (SMOLLM2_SHAPE). The arithmetic the agent shares (KV cache, engine overhead, int8 head, draft) is
 in deployer/core/memory.py.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from deployer.config.models import AgentSettings, ModelSpec, Quantization
 from deployer.core.memory import (
+    ADAPTER_BUDGET_MB,
     FLOAT_BYTES,
     SMOLLM2_SHAPE,
     ModelShape,
@@ -51,11 +53,13 @@ class MemoryEstimate:
     engine: int
     weight_copies: int
     draft: int = 0  # the torch engine's int4 draft model (agent.draft), with its one-sequence cache
+    adapters: int = 0  # the loaded LoRA adapters, at most the agent's adapter budget
 
     @property
     def total(self) -> int:
         """Everything, with the weights and the draft counted once per copy held during a swap."""
-        return (self.weights + self.draft) * self.weight_copies + self.kv_cache + self.engine
+        weights = (self.weights + self.draft) * self.weight_copies
+        return weights + self.kv_cache + self.engine + self.adapters
 
 
 def weight_bytes(shape: ModelShape, quantization: Quantization) -> int:
@@ -95,8 +99,12 @@ def resident_weight_bytes(shape: ModelShape, quantization: Quantization, agent: 
     return stored + torch_cpu_head_delta(shape, FLOAT_BYTES.get(quantization.scheme, 2.0))
 
 
-def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -> MemoryEstimate:
-    """The memory a device needs for ``model`` served with ``agent``'s settings."""
+def estimate_memory(
+    shape: ModelShape, model: ModelSpec, agent: AgentSettings, *, adapter_bytes: int = 0
+) -> MemoryEstimate:
+    """The memory a device needs for ``model`` served with ``agent``'s settings, with LoRA adapters
+    of `adapter_bytes` in all loaded (the agent unloads the least recently used past its budget, so
+    they count at most ADAPTER_BUDGET_MB)."""
     kv_per_token = kv_bytes_per_position(shape, agent.engine)
     return MemoryEstimate(
         params=shape.params,
@@ -105,4 +113,5 @@ def estimate_memory(shape: ModelShape, model: ModelSpec, agent: AgentSettings) -
         engine=engine_bytes(shape, agent.engine),
         weight_copies=2 if agent.swap_policy == "side-by-side" else 1,
         draft=draft_bytes(shape, kv_per_token * agent.max_tokens) if agent.draft != "off" else 0,
+        adapters=min(adapter_bytes, int(ADAPTER_BUDGET_MB * 2**20)),
     )

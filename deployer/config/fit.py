@@ -110,7 +110,9 @@ def model_fit_findings(
             f"{model.quantization.scheme} ({_breakdown(estimate)}), more than the "
             f"{format_bytes(limit)} of {what}",
             "choose a smaller quantization (int4, layered), lower agent.max_concurrent or "
-            "agent.max_tokens, or allow more memory",
+            "agent.max_tokens, "
+            + ("ship fewer or lower-rank LoRA adapters, " if estimate.adapters else "")
+            + "or allow more memory",
         )
         for path, what, limit in limits
         if need > limit
@@ -149,7 +151,8 @@ def swap_policy_findings(
 def _breakdown(estimate: MemoryEstimate) -> str:
     copies = f" x{estimate.weight_copies} for a side-by-side swap" if estimate.weight_copies > 1 else ""
     draft = f", int4 draft {format_bytes(estimate.draft)}" if estimate.draft else ""
+    adapters = f", LoRA adapters {format_bytes(estimate.adapters)}" if estimate.adapters else ""
     return (
         f"weights {format_bytes(estimate.weights)}{copies}, KV cache "
-        f"{format_bytes(estimate.kv_cache)}, runtime {format_bytes(estimate.engine)}{draft}"
+        f"{format_bytes(estimate.kv_cache)}, runtime {format_bytes(estimate.engine)}{draft}{adapters}"
     )

@@ -1,7 +1,8 @@
 """The arithmetic of a served model's memory, shared by validate's estimate (deployer/config/
 estimate.py, from deploy.yaml's quantization) and the agent's hot-swap policy (from the artifact
 it is about to load): the shape's parameters, the KV cache, the engine's overhead and load
-transients, the torch engine's int8 head and int4 draft. Imports nothing outside deployer/core, so the agent
+transients, the torch engine's int8 head and int4 draft, and loaded LoRA adapters (their budget,
+and their factors as the engine holds them). Imports nothing outside deployer/core, so the agent
 can import it.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from deployer.core.gguf_io import GGUFHeader
 
 __all__ = [
+    "ADAPTER_BUDGET_MB",
     "ENGINE_OVERHEAD",
     "FLOAT_BYTES",
     "SMOLLM2_SHAPE",
@@ -23,6 +25,7 @@ __all__ = [
     "engine_bytes",
     "int4_bytes",
     "kv_bytes_per_position",
+    "lora_bytes",
     "torch_cpu_head_delta",
 ]
 
@@ -34,6 +37,12 @@ __all__ = [
 ENGINE_OVERHEAD = {"torch": 384 * 2**20, "llama.cpp": 128 * 2**20}
 TORCH_LOAD_BYTES_PER_PARAM = 8
 FLOAT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}  # a parameter of each float scheme
+# The agent's default budget for loaded LoRA adapters (agent.yaml's adapter_memory_mb): past it the
+# least recently used one unloads, so the adapters never hold more.
+ADAPTER_BUDGET_MB = 256.0
+# A loaded adapter's factors are fp32 on the engine (the torch engine's low-rank path runs in fp32
+# beside the base's layers), whatever the artifact's fp16.
+_LORA_FACTOR_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,11 @@ def torch_cpu_head_delta(shape: ModelShape, stored_head_bytes_per_param: float) 
     head_int8 = shape.vocab * (shape.hidden + 2)  # a byte a weight, an fp16 scale a row
     replaced = 0 if shape.tied else shape.vocab * shape.hidden * stored_head_bytes_per_param
     return int(head_int8 - replaced)
+
+
+def lora_bytes(factor_elements: int) -> int:
+    """What a loaded adapter of `factor_elements` values (all its A and B factors) holds."""
+    return factor_elements * _LORA_FACTOR_BYTES
 
 
 def draft_bytes(shape: ModelShape, kv_cache: int) -> int:

@@ -2,7 +2,8 @@
 meets, answering through another's agent: the edge-cloud fallback), to a fine-tuned v2 by delta
 patch under canary with live traffic, and back to v1 - through the real `sits-deployer` commands,
 with the agents on the torch engine (int8 safetensors) or the llama.cpp engine (a Q8_0 GGUF,
-patched as a GGUF).
+patched as a GGUF). On the torch engine, a LoRA adapter of v1 then rolls out, answers by its name,
+moves to its next version by a patch and rolls back, all while the base keeps answering.
 
 Each step prints the command a user would type and runs it in a subprocess, so the demo exercises
 exactly what the README documents. Everything lives in one work directory, removed at the end
@@ -39,6 +40,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "dep
 PROBES = ("What is SITS-Deployer?", "What is the capital of France?")
 PASSPHRASE_ENV = "SITS_SIGNING_PASSPHRASE"
 FALLBACK_DEVICE = "dev3"  # the demo device that falls back to dev1's agent
+ADAPTER = "support"  # the demo's LoRA adapter: the model id its clients select it by
 # What `build` makes of the example's int8 for each agent engine.
 ARTIFACTS = {"torch": "int8 safetensors", "llama.cpp": "int8 as a Q8_0 GGUF"}
 
@@ -144,6 +146,72 @@ def _story(project: DemoProject, options: DemoOptions) -> None:
     )
     _cli(project, "Fleet status", ["status", "-f", "deploy.yaml"])
     _ask_fleet(project, "after rollback")
+    if options.engine == "torch":
+        _adapter_story(project)
+    else:
+        # The quickstart gates every build, and an adapter's quality gate needs a safetensors base.
+        console().print(
+            "(The LoRA adapter part runs on the torch engine: an adapter's quality gate, which "
+            "this deploy.yaml sets, needs a safetensors base, not a GGUF one.)"
+        )
+
+
+def _adapter_story(project: DemoProject) -> None:
+    """A LoRA adapter of v1 rolled out, served by name, updated by a patch and rolled back, with
+    clients on the base and on the adapter counting failed requests throughout."""
+    from deployer.build.demo_model import prepare_smollm2
+    from deployer.config.models import BUILTIN_SMOLLM2
+    from deployer.demo.finetune import ADAPTER_LESSONS, finetune_adapter
+    from deployer.demo.traffic import Traffic
+
+    # deploy.yaml follows the fleet back to v1, so that the next apply leaves the base as it is.
+    _set_model(project, "1.0.0", BUILTIN_SMOLLM2)
+    first, update = ADAPTER_LESSONS
+    sources = {v: Path("adapters") / f"{ADAPTER}-{v}" for v in (first, update)}
+    _step(
+        f"Train a LoRA adapter of v1 with peft: {ADAPTER} {first}, then {update} on a new answer",
+        lambda: finetune_adapter(prepare_smollm2(), {v: project.dir / p for v, p in sources.items()}),
+    )
+    _set_adapter(project, first, sources[first])
+    _cli(
+        project,
+        f"Build adapter {ADAPTER} {first} for the v1 artifact, quality-gated",
+        ["build", "-f", "deploy.yaml"],
+    )
+    # The fallback device answers through dev1's base model: the adapter's clients ask the others.
+    tuned = [port for name, port in project.ports.items() if name != FALLBACK_DEVICE]
+    with Traffic(list(project.ports.values()), question=PROBES[1]) as base:
+        _cli(
+            project,
+            f"Apply: adapter {ADAPTER} {first} to every device, hot-loaded beside the serving base",
+            ["apply", "-f", "deploy.yaml"],
+        )
+        _ask_adapter(project, tuned, f"{ADAPTER} {first} answers, selected by model name")
+        with Traffic(tuned, question=PROBES[1], model=ADAPTER) as adapter:
+            _set_adapter(project, update, sources[update])
+            _cli(project, f"Build adapter {ADAPTER} {update}", ["build", "-f", "deploy.yaml"])
+            _cli(
+                project,
+                f"Apply {ADAPTER} {update}: a patch from {first} per device",
+                ["apply", "-f", "deploy.yaml"],
+            )
+            _ask_adapter(project, tuned, f"{ADAPTER} {update} answers")
+            _cli(
+                project,
+                f"Roll adapter {ADAPTER} back (a new signed adapter release), the base untouched",
+                ["rollback", "-f", "deploy.yaml", "--adapter", ADAPTER],
+            )
+    _ask_adapter(project, tuned, f"{ADAPTER} after its rollback")
+    for what, during, report in (
+        ("the base", "the adapter's rollout, update and rollback", base.report),
+        (f"adapter {ADAPTER}", "its update and rollback", adapter.report),
+    ):
+        console().print(
+            f"Traffic to {what} during {during}: "
+            f"[bold]{report.ok} ok, {report.failed} failed[/bold] (answered by {dict(report.versions)})"
+        )
+        if report.failed:
+            raise SitsError(f"{report.failed} requests to {what} failed: {dict(report.errors)}")
 
 
 def make_project(base: Path, *, engine: str = "torch") -> DemoProject:
@@ -201,6 +269,20 @@ def _set_model(project: DemoProject, version: str, source: str) -> None:
     project.config.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
+def _set_adapter(project: DemoProject, version: str, source: Path) -> None:
+    """Put the demo's adapter at `version` under the model in deploy.yaml, with an all-at-once
+    strategy: a canary's analysis window would triple the act's time, and each device smoke-tests
+    the adapter and rolls it back alone if it fails."""
+    doc = yaml.safe_load(project.config.read_text())
+    doc["model"]["adapters"] = [{"name": ADAPTER, "version": version, "source": str(source)}]
+    doc["strategy"] = {"type": "all-at-once"}
+    project.config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    console().print(
+        "[cyan]deploy.yaml:[/cyan]\n"
+        + yaml.safe_dump({"model": {"adapters": doc["model"]["adapters"]}, "strategy": doc["strategy"]})
+    )
+
+
 def _apply_under_traffic(project: DemoProject) -> TrafficReport:
     from deployer.demo.traffic import Traffic
 
@@ -237,6 +319,21 @@ def _ask_fleet(project: DemoProject, title: str) -> None:
         for question in PROBES:
             answer, model = ask(port, question)
             table.add_row(name, model.rpartition("@")[2], engine, question, answer)
+    console().print(table)
+
+
+def _ask_adapter(project: DemoProject, ports: list[int], title: str) -> None:
+    from rich.table import Table
+
+    from deployer.demo.traffic import ask
+
+    table = Table(title=title, title_justify="left")
+    for column in ("device", "model", "question", "answer"):
+        table.add_column(column)
+    for name, port in project.ports.items():
+        if port in ports:
+            answer, version = ask(port, PROBES[1], model=ADAPTER)
+            table.add_row(name, f"{ADAPTER}@{version}", PROBES[1], answer)
     console().print(table)
 
 

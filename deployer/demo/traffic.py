@@ -39,11 +39,19 @@ def client(target: Target, *, timeout_s: float = 120.0, api_key: str = "demo") -
     return OpenAI(base_url=f"http://{host}:{port}/v1", api_key=api_key, timeout=timeout_s, max_retries=0)
 
 
-def ask(target: Target, question: str, *, max_tokens: int = 32, api_key: str = "demo") -> tuple[str, str]:
-    """One greedy chat completion: (answer text, model version that answered)."""
+def ask(
+    target: Target,
+    question: str,
+    *,
+    max_tokens: int = 32,
+    api_key: str = "demo",
+    model: str | None = None,
+) -> tuple[str, str]:
+    """One greedy chat completion from `model` (a LoRA adapter's name, or None: the base): (answer
+    text, model version that answered)."""
     api = client(target, api_key=api_key)
-    # The agent answers only for the model it serves; its bare name stays valid across a hot swap.
-    name = api.models.list().data[0].id.partition("@")[0]
+    # The base's bare name (listed first) stays valid across a hot swap; an adapter's is its own.
+    name = model or api.models.list().data[0].id.partition("@")[0]
     reply = api.chat.completions.create(
         model=name,
         messages=[{"role": "user", "content": question}],
@@ -83,12 +91,20 @@ def serving(port: int) -> str:
 
 
 class Traffic:
-    """Round-robin chat requests to `targets` in a background thread until stopped."""
+    """Round-robin chat requests to `targets` in a background thread until stopped, to the base or
+    to the LoRA adapter named `model`."""
 
     def __init__(
-        self, targets: Sequence[Target], *, question: str, max_requests: int = 2000, api_key: str = "demo"
+        self,
+        targets: Sequence[Target],
+        *,
+        question: str,
+        max_requests: int = 2000,
+        api_key: str = "demo",
+        model: str | None = None,
     ) -> None:
         self._targets = list(targets)
+        self._model = model
         self._api_key = api_key
         self._question = question
         self._max = max_requests
@@ -110,7 +126,9 @@ class Traffic:
             target = self._targets[sent % len(self._targets)]
             sent += 1
             try:
-                _, version = ask(target, self._question, max_tokens=8, api_key=self._api_key)
+                _, version = ask(
+                    target, self._question, max_tokens=8, api_key=self._api_key, model=self._model
+                )
             except Exception as exc:  # any failure is what we count; the demo prints them
                 self.report.failed += 1
                 self.report.errors[type(exc).__name__] += 1

@@ -125,3 +125,37 @@ def test_the_builtin_base_refuses_an_adapter_of_the_tiny_model(tmp_path, peft_ad
     )
     [found] = _errors(path)
     assert "not on this base (builtin:smollm2-135m-instruct)" in found.message
+
+
+def test_loaded_adapters_count_in_the_memory_estimate_and_can_push_it_over_a_profile(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A rank-64 adapter on every projection of the tiny model: its factors, in fp32 as the engine
+    holds them, are what tips the model over a profile sized between the two needs."""
+    import yaml
+    from safetensors.numpy import load_file
+
+    from deployer.config import load_config
+    from deployer.config.estimate import ModelShape, estimate_memory
+    from deployer.config.quantity import format_bytes
+
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    wide = make_peft_adapter(tiny_model_dir, tmp_path / "wide", seed=0, rank=64, targets=every)
+    factors = 4 * sum(t.size for t in load_file(wide / "adapter_model.safetensors").values())
+    path = _config(tmp_path, tiny_model_dir, [("wide", wide)])
+    config = load_config(path, environ={})
+    shape = ModelShape.from_config_json(tiny_model_dir / "config.json")
+    alone = estimate_memory(shape, config.model.model_copy(update={"adapters": []}), config.agent).total
+
+    def profile_errors(memory: int) -> list:
+        doc = yaml.safe_load(path.read_text())
+        doc["fleet"]["devices"][0]["profile"] = "small"
+        doc["profiles"] = {"small": {"memory": memory}}
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return [f for f in _errors(path) if f.path == "profiles.small.memory"]
+
+    [finding] = profile_errors(alone + factors // 2)
+    assert f"needs about {format_bytes(alone + factors)}" in finding.message, finding.message
+    assert f"LoRA adapters {format_bytes(factors)}" in finding.message, finding.message
+    assert "fewer or lower-rank LoRA adapters" in finding.hint
+    assert profile_errors(alone + factors) == []  # exactly enough room for the adapter

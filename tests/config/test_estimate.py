@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from deployer.agent.settings import AgentSettings as AgentSettingsOnDevice
 from deployer.config import load_config, validate_file
 from deployer.config.estimate import (
     SMOLLM2_SHAPE,
@@ -71,3 +72,13 @@ def test_validate_warns_where_only_an_unload_first_swap_fits(write_config) -> No
     roomy = write_config(replace=(("memory: 4Gi", f"memory: {two // 2**20 + 1}Mi"),))
     for path in (chosen, roomy):
         assert not [f for f in validate_file(path, {}) if "swap" in f.message]
+
+
+def test_loaded_adapters_count_at_most_the_agents_adapter_budget() -> None:
+    model = ModelSpec(name="m", version="1.0.0", source=".", quantization=Quantization(scheme="int8"))
+    bare = estimate_memory(SMOLLM2_SHAPE, model, AgentSettings())
+    small = estimate_memory(SMOLLM2_SHAPE, model, AgentSettings(), adapter_bytes=3 * 2**20)
+    assert (small.adapters, small.total - bare.total) == (3 * 2**20, 3 * 2**20)
+    # Past the budget the agent unloads the least recently used: never more than 256 MiB loaded.
+    many = estimate_memory(SMOLLM2_SHAPE, model, AgentSettings(), adapter_bytes=5 * 2**30)
+    assert many.adapters == 256 * 2**20 == AgentSettingsOnDevice().adapter_memory_mb * 2**20

@@ -53,6 +53,8 @@ def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path, engine: str) -> None
         r"dev3 answered .*: served by upstream \(smollm2-135m-instruct@1\.0\.0\), fallback reason: deadline",
         out,
     ), out[-4000:]
+    if engine == "torch":
+        _assert_the_adapter_act(out)
     assert "Demo finished" in out
     # The passphrase the demo generated never reaches the output.
     assert "SITS_SIGNING_PASSPHRASE=" not in out
@@ -60,3 +62,26 @@ def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path, engine: str) -> None
     assert not workdir.exists()
     running = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True, check=False)
     assert running.stdout.strip() == ""
+
+
+def _assert_the_adapter_act(out: str) -> None:
+    """A LoRA adapter of v1 rolled out, answered by its name on both devices that do not fall back,
+    moved to 1.1.0 and rolled back to 1.0.0, while no request to the base or to it failed."""
+    rest = out
+    for title, version in (
+        ("support 1.0.0 answers", "1.0.0"),
+        ("support 1.1.0 answers", "1.1.0"),
+        ("support after its rollback", "1.0.0"),
+    ):
+        assert title in rest, out[-4000:]
+        rest = rest[rest.index(title) :]  # the tables come in this order
+        table = rest[: rest.index("└")]  # down to the table's bottom border
+        assert len(re.findall(rf"│ dev[12]\s+│ support@{re.escape(version)}\s+│", table)) == 2, table
+    assert "send-adapter-patch adapter support 1.0.0 -> 1.1.0: patch" in out, out[-4000:]
+    base = re.search(r"Traffic to the base during the adapter's .*: (\d+) ok, (\d+) failed", out)
+    tuned = re.search(
+        r"Traffic to adapter support during .*: (\d+) ok, (\d+) failed \(answered by (.*)\)", out
+    )
+    assert base and tuned, out[-4000:]
+    assert int(base[1]) > 0 and base[2] == "0", base[0]
+    assert int(tuned[1]) > 0 and tuned[2] == "0", tuned[0]

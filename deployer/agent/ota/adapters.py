@@ -4,6 +4,9 @@ Layout under the store's root (`DeviceStore.base`, i.e. ``<root>/var/lib/sits``)
 
     adapters/<name>/<artifact_id>/   an adapter artifact (deployer/core/lora.py), moved in atomically
     adapters/<name>/state.json       {"current", "previous", "version", "counter"}
+    adapters/<name>/loading-<artifact_id>.json
+                                     {"attempts"}: loads of that artifact begun and not finished,
+                                     left only by agents that died loading it (`begin_load`)
 
 The caller verifies (signature, counter, expiry, the base it was made for) before `install`; this
 module only keeps files and pointers, each change written beside the old and renamed over it, so a
@@ -25,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deployer.core.fsutil import atomic_write, fsync_dir, read_json_object
 from deployer.errors import AgentError, FormatError, UnsafePathError
 
-__all__ = ["AdapterRecord", "AdapterState", "AdapterStore"]
+__all__ = ["AdapterRecord", "AdapterState", "AdapterStore", "LoadAttempts"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _ARTIFACT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -51,6 +54,14 @@ class AdapterState(BaseModel):
     version: str | None = None
     previous_version: str | None = None
     counter: int = Field(default=0, ge=0)
+
+
+class LoadAttempts(BaseModel):
+    """adapters/<name>/loading-<artifact_id>.json: loads of that artifact begun, not finished."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempts: int = Field(ge=1)
 
 
 class AdapterStore:
@@ -144,6 +155,32 @@ class AdapterStore:
         for child in self._name_dir(name).iterdir() if self._name_dir(name).is_dir() else ():
             if child.is_dir():
                 shutil.rmtree(child)
+
+    def crashed_loads(self, name: str, artifact_id: str) -> int:
+        """How many loads of `name`'s artifact `artifact_id` began and never finished: each one a
+        process that died while loading it (a load that ends, loaded or refused, clears them)."""
+        path = self._loading_path(name, artifact_id)
+        if not path.exists():
+            return 0
+        try:
+            return LoadAttempts.model_validate(read_json_object(path)).attempts
+        except (ValidationError, FormatError):
+            return 0  # not a marker we wrote (atomic_write): no crash on record, load it
+
+    def begin_load(self, name: str, artifact_id: str) -> None:
+        """Record a load of `artifact_id` as begun (durably, before the engine touches it)."""
+        path = self._loading_path(name, artifact_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        marker = LoadAttempts(attempts=self.crashed_loads(name, artifact_id) + 1)
+        atomic_write(path, json.dumps(marker.model_dump()) + "\n")
+
+    def end_load(self, name: str, artifact_id: str) -> None:
+        """The load of `artifact_id` ended, loaded or refused: no crash to count."""
+        self._loading_path(name, artifact_id).unlink(missing_ok=True)
+
+    def _loading_path(self, name: str, artifact_id: str) -> Path:
+        # Beside the artifact, not in it: an artifact directory holds only its verified files.
+        return self._artifact_dir(name, artifact_id).with_name(f"loading-{artifact_id}.json")
 
     def _write(self, name: str, state: AdapterState) -> None:
         directory = self._name_dir(name)

@@ -8,6 +8,12 @@ submitted on the old key before the switch or on the new one after it; the old k
 once no running or waiting request uses it (`Scheduler.run_when_unused`): in-flight requests
 finish on the version they started with.
 
+An adapter version whose load killed the agent CRASH_LOOP_LOADS times (a crash loop: each
+start-up loads it again) is refused at the next start and rolled back like one that fails to load,
+so the base comes up serving; the store counts loads begun and never finished (ota/adapters.py).
+Two, not one: a power cut mid-load is no reason to roll back, and two fit systemd's
+StartLimitBurst=3, before its OnFailure= would roll back the base, which is not at fault.
+
 Loaded adapters fit a memory budget (agent.yaml's `adapter_memory_mb`): loading one past it
 unloads the least recently used others first. An unloaded adapter stays known (listed, and
 loaded again by the next request that names it) while the store still has it installed.
@@ -27,11 +33,20 @@ from deployer.agent.notify import lifecycle_event
 from deployer.agent.ota.adapters import AdapterRecord, AdapterStore
 from deployer.agent.runtime.scheduler import Scheduler
 from deployer.core.lora import LoraAdapter, read_adapter
+from deployer.core.memory import lora_bytes
 from deployer.errors import AgentError, SitsError
 
-__all__ = ["AdapterSet", "AdapterSource", "LoadedAdapter", "OtherBase", "adapter_memory_bytes"]
+__all__ = [
+    "CRASH_LOOP_LOADS",
+    "AdapterSet",
+    "AdapterSource",
+    "LoadedAdapter",
+    "OtherBase",
+    "adapter_memory_bytes",
+]
 
 _log = logging.getLogger("sits.agent")
+CRASH_LOOP_LOADS = 2  # loads of one adapter version that killed the agent before it is refused
 
 
 class OtherBase(AgentError):
@@ -63,7 +78,7 @@ class LoadedAdapter:
 
 def adapter_memory_bytes(adapter: LoraAdapter) -> int:
     """What an adapter holds on the engine: its factors in fp32 (the torch engine's low-rank path)."""
-    return adapter.nbytes * 2  # the artifact is fp16
+    return lora_bytes(sum(a.size + b.size for a, b in adapter.tensors.values()))
 
 
 class AdapterSet:
@@ -136,6 +151,13 @@ class AdapterSet:
                 f"{record.path}: holds adapter {adapter.name!r}, installed as {record.name!r}",
                 hint="reinstall the adapter",
             )
+        crashed = source.store.crashed_loads(record.name, record.artifact_id)
+        if crashed >= CRASH_LOOP_LOADS:
+            raise AgentError(
+                f"adapter {record.name} {record.version}: the agent died {crashed} times while "
+                "loading it (a crash loop); refused",
+                hint="release a fixed version of the adapter; the base keeps serving",
+            )
         base = source.base_artifact_id(self._base_version)
         if base is not None and adapter.base_artifact_id != base:
             raise OtherBase(
@@ -155,7 +177,11 @@ class AdapterSet:
         loaded = LoadedAdapter(record.name, record.version, record.artifact_id, key, nbytes)
         with self._load_lock:
             self._make_room(record.name, nbytes, source.budget_bytes)
-            self._scheduler.run(lambda: engine.load_adapter(key, adapter, record.path))
+            source.store.begin_load(record.name, record.artifact_id)
+            try:
+                self._scheduler.run(lambda: engine.load_adapter(key, adapter, record.path))
+            finally:
+                source.store.end_load(record.name, record.artifact_id)
             with self._lock:
                 old = self._loaded.pop(record.name, None)
                 self._evicted.pop(record.name, None)

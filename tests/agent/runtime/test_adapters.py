@@ -4,6 +4,9 @@ used adapter, which the next request naming it loads again. Real PEFT adapters."
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +15,13 @@ import pytest
 
 from deployer.agent.engines.torch.engine import TorchEngine
 from deployer.agent.ota.adapters import AdapterStore
-from deployer.agent.runtime.adapters import AdapterSet, AdapterSource, OtherBase, adapter_memory_bytes
+from deployer.agent.runtime.adapters import (
+    CRASH_LOOP_LOADS,
+    AdapterSet,
+    AdapterSource,
+    OtherBase,
+    adapter_memory_bytes,
+)
 from deployer.agent.runtime.scheduler import Scheduler, SchedulerLimits
 from deployer.agent.types import SamplingParams
 from deployer.core.lora import from_peft, read_adapter, write_adapter
@@ -124,3 +133,63 @@ def test_an_adapter_for_another_base_is_refused(
     adapters.load_installed()  # after a base update: skipped, and not rolled back
     assert AdapterStore(tmp_path).state("a").version == "2"
     assert adapters.known() == [] and engine_keys(scheduler) == "-"
+
+
+# A process whose engine dies while loading any adapter (as a native crash or an OOM kill would):
+# its AdapterSet loads the store's installed adapters, as the agent does at start-up.
+_DIES_LOADING = """
+import os, signal, sys
+from pathlib import Path
+from deployer.agent.ota.adapters import AdapterStore
+from deployer.agent.runtime.adapters import AdapterSet, AdapterSource
+from deployer.agent.runtime.scheduler import Scheduler, SchedulerLimits
+from tests.agent.scripted import ScriptedEngine
+
+class DiesLoadingAdapters(ScriptedEngine):
+    serves_adapters = True
+
+    def load_adapter(self, key, adapter, directory):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+source = AdapterSource(AdapterStore(Path(sys.argv[1])), lambda version: None, 2**30)
+AdapterSet(Scheduler(DiesLoadingAdapters(), SchedulerLimits()), source, "v1").load_installed()
+"""
+
+
+def _start_and_die(root: Path) -> None:
+    died = subprocess.run([sys.executable, "-c", _DIES_LOADING, str(root)], check=False, timeout=120)
+    assert died.returncode == -signal.SIGKILL
+
+
+def test_an_adapter_that_kills_the_agent_twice_while_loading_is_rolled_back_at_the_next_start(
+    scheduler: Scheduler, artifacts: dict[str, Path], tmp_path: Path
+) -> None:
+    store = AdapterStore(tmp_path)
+    store.install("a", artifacts["a1"], "a1-id", "1", 1)
+    store.install("a", artifacts["a2"], "a2-id", "2", 2)
+    for _ in range(CRASH_LOOP_LOADS):
+        _start_and_die(tmp_path)
+    assert store.crashed_loads("a", "a2-id") == CRASH_LOOP_LOADS
+    adapters = adapter_set(scheduler, tmp_path)
+    adapters.load_installed()  # the next start-up
+    assert adapters.get("a").version == "1"  # type: ignore[union-attr]
+    assert (store.state("a").version, store.state("a").counter) == ("1", 2)  # the counter stays
+    assert store.crashed_loads("a", "a1-id") == 0  # the version restored loaded: its load ended
+    assert generate(scheduler, adapters, "a")  # the engine serves, the restored adapter too
+    store.rollback("a")  # back to the version that crashed: refused, the one loaded stays
+    with pytest.raises(AgentError, match="died 2 times while loading"):
+        adapters.reload("a")
+    assert adapters.get("a").version == "1"  # type: ignore[union-attr]
+
+
+def test_one_death_while_loading_an_adapter_is_retried_not_rolled_back(
+    scheduler: Scheduler, artifacts: dict[str, Path], tmp_path: Path
+) -> None:
+    store = AdapterStore(tmp_path)
+    store.install("a", artifacts["a1"], "a1-id", "1", 1)
+    store.install("a", artifacts["a2"], "a2-id", "2", 2)
+    _start_and_die(tmp_path)  # e.g. a power cut mid-load
+    adapters = adapter_set(scheduler, tmp_path)
+    adapters.load_installed()
+    assert adapters.get("a").version == "2" and store.state("a").version == "2"  # type: ignore[union-attr]
+    assert store.crashed_loads("a", "a2-id") == 0
