@@ -295,7 +295,7 @@ class TorchEngine(Engine):
             torch.cuda.empty_cache()  # hand back what compiling and tuning left in the cache
         slots = [_Slot() for _ in range(self._slots)]
         threads = torch.get_num_threads()
-        lora = LoraBank(loaded.model, loaded.device)
+        lora = LoraBank(loaded.model, loaded.device, loaded.dtype)
         self._attached = _Attached(loaded, slots, io, decode, lora, text, drafter, draft_off, threads)
 
     def _load_draft(self, artifact_dir: Path) -> tuple[Drafter | None, str]:

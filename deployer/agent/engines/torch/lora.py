@@ -2,9 +2,10 @@
 requests for different adapters decoded in one batch, in the same captured CUDA graph.
 
 Each linear layer an adapter targets is wrapped once (`LoraLinear`); the base layer (float, int8
-or int4) runs as before and the low-rank path runs beside it in fp32. The adapters are stacked
-per layer in buffers of a fixed layout (`_Layout`): A_all [in, S*R] and B_all [S*R, out] (the
-factor scale*alpha/rank folded into B), adapter slot s owning columns s*R..(s+1)*R (S: the slots,
+or int4) runs as before and the low-rank path runs beside it in the model's activation dtype (an
+fp32 model matches its merged twin's greedy tokens exactly). The adapters are stacked per layer
+in buffers of a fixed layout (`_Layout`): A_all [in, S*R] and B_all [S*R, out] (the factor
+scale*alpha/rank folded into B), adapter slot s owning columns s*R..(s+1)*R (S: the slots,
 R: that layer's widest adapter, narrower ones and empty slots zero-padded, which leaves every
 product exact). A row's adapter is an index (0: the base, s+1: slot s), read from a tensor, so a
 CUDA graph captured once replays any mix of rows: the mask of each row's own columns is made
@@ -90,23 +91,30 @@ class LoraLinear(nn.Module):
         self.width = 0  # R
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """base(x) plus, under `LoraBank.select`, each row's adapter's (x @ A^T) @ (factor * B)^T."""
+        """base(x) plus, under `LoraBank.select`, each row's adapter's (x @ A^T) @ (factor * B)^T.
+
+        Three kernels a layer (a matmul, the mask, a matmul adding into y), in the model's dtype:
+        on a GPU a decode step is a chain of small kernels, and casts to fp32 and back took a
+        kernel each more."""
         y = self.base(x)
         select = self.bank.mask
         if select is None or not self.width:
             return y
-        h = torch.matmul(x.float(), self.a_t)
+        dtype = self.a_t.dtype
+        h = torch.matmul(x.to(dtype), self.a_t)
         h = (h.unflatten(-1, (-1, self.width)) * select).flatten(-2)
-        return y + torch.matmul(h, self.b_t).to(y.dtype)
+        out = torch.addmm(y.to(dtype).flatten(0, -2), h.flatten(0, -2), self.b_t)
+        return out.view(y.shape).to(y.dtype)
 
 
 class LoraBank:
     """The adapters loaded on one model, by key, in their stacked buffers, and which one each row of
     the computation in progress uses. Changed only on the engine thread, between steps."""
 
-    def __init__(self, model: Transformer, device: torch.device) -> None:
+    def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
         self._model = model
         self._device = device
+        self._dtype = dtype  # of the stacked factors: the model's activations
         self._adapters: dict[str, LoraAdapter] = {}
         self._slots: list[str | None] = []  # slot s holds the adapter under this key (None: empty)
         self._wrapped: dict[str, LoraLinear] = {}
@@ -170,7 +178,7 @@ class LoraBank:
         """Within the block, row b of a computation uses the adapter of index indices[b] [B]
         (0: the base). Inside a captured graph the mask is made from the tensor at each replay."""
         mask = indices[:, None] == self._ids[None, :]
-        self.mask = mask.float()[:, None, :, None]
+        self.mask = mask.to(self._dtype)[:, None, :, None]
         try:
             yield
         finally:
@@ -203,8 +211,9 @@ class LoraBank:
         for name, width in layout.widths:
             wrapper = self._wrap(name)
             out = _out_features(self._model.args, name)
-            wrapper.a_t = torch.zeros(self._in_features(name), slots * width, device=self._device)
-            wrapper.b_t = torch.zeros(slots * width, out, device=self._device)
+            device, dtype = self._device, self._dtype
+            wrapper.a_t = torch.zeros(self._in_features(name), slots * width, device=device, dtype=dtype)
+            wrapper.b_t = torch.zeros(slots * width, out, device=device, dtype=dtype)
             wrapper.width = width
         self._ids = torch.arange(1, slots + 1, device=self._device)
         for slot, key in enumerate(self._slots):
@@ -232,6 +241,7 @@ class LoraBank:
             )
             col = slot * wrapper.width + filled.get(target.module, 0)
             wrapper.a_t[:, col : col + a.shape[0]] = a.T
+            # Scaled in fp32, rounded once into the buffer's dtype.
             wrapper.b_t[col : col + a.shape[0], target.start : target.end] = (b * adapter.factor).T
             filled[target.module] = filled.get(target.module, 0) + a.shape[0]
 
