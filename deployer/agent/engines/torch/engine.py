@@ -316,6 +316,7 @@ class TorchEngine(Engine):
         (between steps, on the engine thread), so no step runs eager for want of a graph."""
         attached = self._require()
         attached.lora.add(key, adapter)
+        _forget_prefixes(attached, key)  # a key loaded again: its slots hold the old one's keys
         decode = attached.decode
         if attached.lora.version != decode.adapter_version and self._want_graphs:
             io = attached.io
@@ -324,9 +325,7 @@ class TorchEngine(Engine):
     def unload_adapter(self, key: str) -> None:
         """See Engine.unload_adapter. Slots whose cached prefix was computed with it forget it."""
         attached = self._require()
-        for state in attached.slots:
-            if state.adapter == key:
-                state.held, state.adapter = [], None
+        _forget_prefixes(attached, key)
         attached.lora.remove(key)
 
     def wait_compiled(self, timeout_s: float | None = None) -> bool:
@@ -766,6 +765,13 @@ def _samplers_for(states: Sequence[_Slot], slots: Sequence[int]) -> list[Sampler
     for s, state in zip(slots, states, strict=True):
         rows[s] = state.sampler or _GREEDY
     return rows
+
+
+def _forget_prefixes(attached: _Attached, key: str) -> None:
+    """Slots whose cached prefix was computed with the adapter under `key` forget it."""
+    for state in attached.slots:
+        if state.adapter == key:
+            state.held, state.adapter = [], None
 
 
 def _speculates(attached: _Attached, state: _Slot) -> bool:

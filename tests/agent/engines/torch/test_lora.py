@@ -195,12 +195,14 @@ def test_an_adapter_loaded_into_the_layout_is_written_in_place_and_read_by_the_n
     tiny_model_dir: Path, adapters: list[LoraAdapter], tmp_path: Path
 ) -> None:
     """Replacing, unloading and loading again within the stacked buffers' layout keeps the buffers
-    (captured graphs read them), and each next step computes with what they hold now."""
+    (captured graphs read them), and each next step computes with what they hold now; a slot's
+    prefix cached under the key's previous adapter is not reused."""
     engine = engine_on(tiny_model_dir)
     engine.load_adapter("x", adapters[1], Path())
     lora = engine._require().lora
     version, buffers = lora.version, [(m.a_t, m.b_t) for m in lora._wrapped.values()]
     prompt = engine.encode(PROMPTS[0])
+    first = generate(engine, 0, prompt, replace(GREEDY, adapter="x"))
     other = from_peft(
         make_peft_adapter(tiny_model_dir, tmp_path / "peft-other", seed=3, b_std=0.2), "other", "1", "base"
     )
@@ -209,6 +211,7 @@ def test_an_adapter_loaded_into_the_layout_is_written_in_place_and_read_by_the_n
     assert all(m.a_t is a and m.b_t is b for m, (a, b) in zip(lora._wrapped.values(), buffers, strict=True))
     reference = engine_on(merged(tiny_model_dir, other, tmp_path / "merged"))
     want = generate(reference, 0, prompt, GREEDY)
+    assert want != first
     assert generate(engine, 0, prompt, replace(GREEDY, adapter="x")) == want
     engine.unload_adapter("x")
     assert all(not m.b_t.any() for m in lora._wrapped.values())  # the slot is zeroed
