@@ -226,8 +226,8 @@ def main() -> None:
         "--compile",
         choices=["off", "on", "auto"],
         help="the engine's compile: off (the CPU's default) runs both modes eager; on compiles the "
-        "decode step first; auto (the GPU's default) captures CUDA graphs. The base's steps use "
-        "them, steps with adapter rows run eager",
+        "decode step first (the base's steps use it, steps with adapter rows run eager); auto (the "
+        "GPU's default) captures CUDA graphs, for the base and with the adapters' low-rank path",
     )
     parser.add_argument(
         "--tokenizer",

@@ -281,11 +281,11 @@ class AdapterSpec(_Model):
     merged into a new model would reload the whole base (bench/adapter_bytes.py). On the torch
     engine requests for different adapters share decode steps: 1, 4 and 16 clients on 4 adapters got
     0.90, 0.80 and 1.04 times the tokens per second of as many clients on the base, on 2 shared
-    cores under load, but only 0.06-0.08 times on an H100, where steps with adapter rows leave the
-    CUDA graphs (bench/adapters.py; docs/openai-api.md). The llama.cpp engine serves the adapter's
-    LoRA GGUF, which the build writes for a GGUF base; llama.cpp applies an adapter to a whole
-    context, so there requests for different adapters do not batch together: 4 clients on 4
-    adapters got 0.45 times the base's tokens per second, on one adapter 0.93
+    cores under load, and 0.84, 0.85 and 0.93 times on an H100, where steps with adapter rows
+    replay CUDA graphs of their own (bench/adapters.py; docs/openai-api.md). The llama.cpp engine
+    serves the adapter's LoRA GGUF, which the build writes for a GGUF base; llama.cpp applies an
+    adapter to a whole context, so there requests for different adapters do not batch together: 4
+    clients on 4 adapters got 0.45 times the base's tokens per second, on one adapter 0.93
     (bench/adapters.py --engine llama.cpp).
     """
 

@@ -3,7 +3,9 @@ in CUDA graphs, each where asked and possible, else eager with the reason kept (
 by describe()).
 
 On CUDA each decoder layer's decode is compiled (`_compile_layers`), then one decode step per
-batch bucket and one prefill chunk per length are captured, so a step replays one graph. On a
+batch bucket and one prefill chunk per length are captured, so a step replays one graph; once
+LoRA adapters are loaded, the same again with their low-rank path (`capture_adapters`), which
+any mix of adapter and base rows replays. On a
 CPU the whole decode step is compiled into one graph with a C++ wrapper (`_compile_step`),
 in the agent on a thread of its own (`compile_in_background`) while eager steps serve.
 """
@@ -23,6 +25,7 @@ from torch import nn
 
 from deployer.agent.engines.torch import exact_ops
 from deployer.agent.engines.torch.loader import LoadedModel
+from deployer.agent.engines.torch.lora import LoraBank
 from deployer.agent.engines.torch.speculative import DecodeFn, Drafter
 
 if TYPE_CHECKING:
@@ -39,6 +42,9 @@ CAPTURE_WARMUP_RUNS = 3
 # What inductor's autotuner zeroes between timings of a generated kernel while the engine loads
 # on CUDA, in place of a buffer the size of the L2 (60 MB on an H200; see _small_tuning_flush).
 TUNING_FLUSH_BYTES = 1 << 20
+# Compiled codes kept per decoder layer: one per batch bucket, for the base and for each adapter
+# layout (dynamo's default of 8 would send the adapter steps' layers back to eager).
+RECOMPILE_LIMIT = 64
 
 Graph = tuple[torch.cuda.CUDAGraph, torch.Tensor]  # a captured graph and its logits
 
@@ -59,6 +65,11 @@ class Decode:
     prefills: dict[int, Graph] = field(default_factory=dict)  # prefill, by chunk length
     prefill_note: str = "eager"
     ops_note: str = "torch"  # what the exact ops run (exact_ops.fused_kernels)
+    # The same with the adapters' low-rank path, for LoraBank.version `adapter_version`.
+    adapter_graphs: dict[int, Graph] = field(default_factory=dict)
+    adapter_prefills: dict[int, Graph] = field(default_factory=dict)
+    adapter_version: int = 0
+    adapter_note: str = "-"
 
 
 def prepare_decode(
@@ -116,6 +127,37 @@ def prepare_decode(
             _settle()
             decode.prefill_note = f"eager (capture failed: {_first_line(exc)})"
         return decode
+
+
+def capture_adapters(
+    loaded: LoadedModel, decode: Decode, io: torch.Tensor, prefill_io: torch.Tensor, bank: LoraBank
+) -> None:
+    """Capture the decode step for each bucket `decode` has a graph of, and the prefill for each
+    chunk length, with the low-rank path of `bank`'s current layout: each row's adapter index read
+    from io[2] (a prefill's from prefill_io[2, 2]), so any mix of rows replays them, and the
+    factors read from the bank's buffers, so adapters loaded into the layout need no new capture.
+    What cannot be captured runs eager, the reason in `adapter_note`."""
+    decode.adapter_graphs, decode.adapter_prefills = {}, {}  # the stale ones' memory goes back
+    decode.adapter_version = bank.version
+    if not decode.graphs:
+        decode.adapter_note = decode.graph_note
+        return
+    _settle()
+    with _small_tuning_flush(loaded.device), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        try:
+            for bucket in sorted(decode.graphs, reverse=True):
+                decode.adapter_graphs[bucket] = _capture_decode(loaded, io, bucket, pool, stream, bank)
+            for length in sorted(decode.prefills, reverse=True):
+                decode.adapter_prefills[length] = _capture_prefill(
+                    loaded, prefill_io, length, pool, stream, bank
+                )
+            decode.adapter_note = f"cuda-graph buckets and chunks, layout {bank.version}"
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            decode.adapter_graphs, decode.adapter_prefills = {}, {}
+            _settle()
+            decode.adapter_note = f"eager (capture failed: {_first_line(exc)})"
 
 
 @contextmanager
@@ -258,30 +300,58 @@ def _try_decode(
 
 
 def _capture_decode(
-    loaded: LoadedModel, io: torch.Tensor, bucket: int, pool: _POOL_HANDLE, stream: torch.cuda.Stream
+    loaded: LoadedModel,
+    io: torch.Tensor,
+    bucket: int,
+    pool: _POOL_HANDLE,
+    stream: torch.cuda.Stream,
+    bank: LoraBank | None = None,
 ) -> Graph:
-    """A CUDA graph of one decode step over rows 0..bucket-1 reading `io`, and its logits."""
+    """A CUDA graph of one decode step over rows 0..bucket-1 reading `io`, and its logits; with
+    `bank`, each row's adapter index read from io[2]."""
     io[0, :bucket] = 0
     io[1, :bucket] = loaded.model.scratch_position  # warm-up and capture write only there
+    io[2, :bucket] = 0
+    return _capture(lambda: decode_step(loaded, io, bucket, bank), pool, stream)
+
+
+def decode_step(loaded: LoadedModel, io: torch.Tensor, bucket: int, bank: LoraBank | None) -> torch.Tensor:
+    """One decode step over rows 0..bucket-1 as `io` [3, slots] holds it (tokens, positions, adapter
+    indices), at fixed shapes: the logits [bucket, V]. With no `bank` the base alone."""
     tokens, positions = io[0, :bucket], io[1, :bucket]
-    return _capture(lambda: loaded.model.decode(tokens, positions), pool, stream)
+    if bank is None:
+        return loaded.model.decode(tokens, positions)
+    with bank.select(io[2, :bucket]):
+        return loaded.model.decode(tokens, positions)
 
 
 def _capture_prefill(
-    loaded: LoadedModel, io: torch.Tensor, length: int, pool: _POOL_HANDLE, stream: torch.cuda.Stream
+    loaded: LoadedModel,
+    io: torch.Tensor,
+    length: int,
+    pool: _POOL_HANDLE,
+    stream: torch.cuda.Stream,
+    bank: LoraBank | None = None,
 ) -> Graph:
-    """A CUDA graph of one prefill chunk of `length` tokens reading `io` (see the engine's _run_prompt)."""
+    """A CUDA graph of one prefill chunk of `length` tokens reading `io` (see the engine's
+    _run_prompt); with `bank`, the adapter's index read from io[2, 2]."""
     io[0] = 0
     io[1] = loaded.model.scratch_position  # warm-up and capture write only there
     io[2] = 0
-    return _capture(lambda: prefill_chunk(loaded, io, length), pool, stream)
+    return _capture(lambda: prefill_chunk(loaded, io, length, bank), pool, stream)
 
 
-def prefill_chunk(loaded: LoadedModel, io: torch.Tensor, length: int) -> torch.Tensor:
-    """One prefill chunk of `length` tokens as `io` [3, chunk] holds it (see the engine's _run_prompt): the
-    logits [1, V] of its last token."""
+def prefill_chunk(
+    loaded: LoadedModel, io: torch.Tensor, length: int, bank: LoraBank | None = None
+) -> torch.Tensor:
+    """One prefill chunk of `length` tokens as `io` [3, chunk] holds it (see the engine's
+    _run_prompt): the logits [1, V] of its last token. With `bank`, through the adapter of index
+    io[2, 2]."""
     tokens, positions, slot, last = io[0:1, :length], io[1, :length], io[2, :1], io[2, 1:2]
-    return loaded.model.prefill_fixed(tokens, slot, positions, last)
+    if bank is None:
+        return loaded.model.prefill_fixed(tokens, slot, positions, last)
+    with bank.select(io[2, 2:3]):
+        return loaded.model.prefill_fixed(tokens, slot, positions, last)
 
 
 def chunk_lengths(width: int) -> list[int]:

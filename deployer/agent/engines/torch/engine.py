@@ -3,9 +3,10 @@
 The KV cache holds `slots` sequences. `prefill` runs a prompt into one slot (skipping what the
 slot already holds), `step` advances many slots by one token each with fixed shapes: on CUDA a
 CUDA graph per batch bucket replays it, the decoder layer compiled by inductor; tokens are
-sampled on the device. `stream` is one slot driven the same way; its text goes through
-`textstream` (whole characters only, stop strings held back), and the run ends on an EOS token
-or a stop string ("stop") or on max_tokens or a full context ("length").
+sampled on the device. A step with rows on LoRA adapters replays graphs of its own, captured with
+the adapters' low-rank path (engines/torch/lora.py). `stream` is one slot driven the same way;
+its text goes through `textstream` (whole characters only, stop strings held back), and the run
+ends on an EOS token or a stop string ("stop") or on max_tokens or a full context ("length").
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from deployer.agent.engines.textstream import token_events
 from deployer.agent.engines.torch import native
 from deployer.agent.engines.torch.compile import (
     Decode,
+    capture_adapters,
     chunk_lengths,
     compile_drafter,
     compile_in_background,
+    decode_step,
     prefill_chunk,
     prepare_decode,
 )
@@ -81,8 +84,8 @@ class _Slot:
 @dataclass(frozen=True)
 class _Inputs:
     """What the captured graphs read, and the pinned host buffers they are filled from: `step`
-    [2, slots] tokens and positions; `prefill` [3, chunk] tokens, positions, then the slot and
-    the index of the chunk's last token."""
+    [3, slots] tokens, positions and adapter indices (LoraBank.index); `prefill` [3, chunk]
+    tokens, positions, then the slot, the index of the chunk's last token and the adapter index."""
 
     step: torch.Tensor
     step_host: torch.Tensor
@@ -100,7 +103,7 @@ class _Inputs:
                 shape, dtype=torch.long, pin_memory=pin
             )
 
-        return cls(*pair(2, slots), *pair(3, chunk))
+        return cls(*pair(3, slots), *pair(3, chunk))
 
 
 @dataclass(frozen=True)
@@ -292,7 +295,7 @@ class TorchEngine(Engine):
             torch.cuda.empty_cache()  # hand back what compiling and tuning left in the cache
         slots = [_Slot() for _ in range(self._slots)]
         threads = torch.get_num_threads()
-        lora = LoraBank(loaded.model, loaded.device)
+        lora = LoraBank(loaded.model, loaded.device, loaded.dtype)
         self._attached = _Attached(loaded, slots, io, decode, lora, text, drafter, draft_off, threads)
 
     def _load_draft(self, artifact_dir: Path) -> tuple[Drafter | None, str]:
@@ -306,15 +309,23 @@ class TorchEngine(Engine):
         return Drafter(draft), ""
 
     def load_adapter(self, key: str, adapter: LoraAdapter, directory: Path) -> None:
-        """See Engine.load_adapter: its low-rank path beside the base layers (engines/torch/lora.py)."""
-        self._require().lora.add(key, adapter)
+        """See Engine.load_adapter: its low-rank path beside the base layers (engines/torch/lora.py).
+
+        An adapter that fits the stacked buffers' layout is written into them in place, which the
+        captured adapter graphs read; one that grows the layout has them captured again here
+        (between steps, on the engine thread), so no step runs eager for want of a graph."""
+        attached = self._require()
+        attached.lora.add(key, adapter)
+        _forget_prefixes(attached, key)  # a key loaded again: its slots hold the old one's keys
+        decode = attached.decode
+        if attached.lora.version != decode.adapter_version and self._want_graphs:
+            io = attached.io
+            capture_adapters(attached.loaded, decode, io.step, io.prefill, attached.lora)
 
     def unload_adapter(self, key: str) -> None:
         """See Engine.unload_adapter. Slots whose cached prefix was computed with it forget it."""
         attached = self._require()
-        for state in attached.slots:
-            if state.adapter == key:
-                state.held, state.adapter = [], None
+        _forget_prefixes(attached, key)
         attached.lora.remove(key)
 
     def wait_compiled(self, timeout_s: float | None = None) -> bool:
@@ -483,14 +494,14 @@ class TorchEngine(Engine):
         On CUDA in chunks of the captured lengths, replayed, or run eager with the very same
         shapes when there are no graphs (the same kernels, so the same tokens); on a CPU in one go.
         """
-        loaded = attached.loaded
+        loaded, lora, decode = attached.loaded, attached.lora, attached.decode
         adapter = attached.slots[slot].adapter
-        # The captured graphs run the base alone: an adapter's prompt runs eager.
-        if loaded.device.type != "cuda" or adapter is not None:
+        if loaded.device.type != "cuda":
             ids = torch.tensor([prompt[start:]], dtype=torch.long, device=loaded.device)
-            with attached.lora.one(adapter):
+            with lora.rows([adapter]):
                 return loaded.model.prefill(ids, slot, start)[0]
-        graphs = attached.decode.prefills
+        bank = None if adapter is None else lora
+        graphs = decode.prefills if bank is None else decode.adapter_prefills
         io, pinned = attached.io.prefill, attached.io.prefill_host
         host, largest = pinned.numpy(), io.shape[1]
         while True:
@@ -499,14 +510,14 @@ class TorchEngine(Engine):
             host[0, :n] = prompt[start : start + n]
             host[1, :] = loaded.model.scratch_position
             host[1, :n] = np.arange(start, start + n)
-            host[2, :2] = slot, n - 1
+            host[2, :3] = slot, n - 1, lora.index(adapter)
             io.copy_(pinned, non_blocking=True)
             length = next(b for b in chunk_lengths(largest) if b >= n)
             if graphs:
                 graph, logits = graphs[length]
                 graph.replay()
             else:
-                logits = prefill_chunk(loaded, io, length)
+                logits = prefill_chunk(loaded, io, length, bank)
             start += n
             if start == len(prompt):
                 return logits
@@ -598,23 +609,25 @@ class TorchEngine(Engine):
         host = inputs.step_host.numpy()
         host[0, :bucket] = 0
         host[1, :bucket] = loaded.model.scratch_position
+        host[2, :bucket] = 0
+        lora = attached.lora
         for s, state in live:
-            host[0, s], host[1, s] = state.last, len(state.held)
+            host[0, s], host[1, s], host[2, s] = state.last, len(state.held), lora.index(state.adapter)
         io = inputs.step
         io.copy_(inputs.step_host, non_blocking=True)
-        adapters: list[str | None] = [None] * bucket
-        for s, state in live:
-            adapters[s] = state.adapter
-        graph = decode.graphs.get(bucket)
-        if any(adapters):
-            # The graphs and the compiled step run the base alone: a step with adapter rows runs
-            # the eager layers with each row's low-rank product (engines/torch/lora.py).
-            in_use = None if cuda else max(len(state.held) for state in states) + 1
-            with attached.lora.rows(adapters):
-                logits = loaded.model.decode(io[0, :bucket], io[1, :bucket], in_use)
-        elif graph is not None:
+        adapted = any(state.adapter is not None for state in states)
+        graph = (decode.adapter_graphs if adapted else decode.graphs).get(bucket)
+        if graph is not None:
             graph[0].replay()
             logits = graph[1]
+        elif adapted and cuda:
+            logits = decode_step(loaded, io, bucket, lora)  # the graphs' shapes and kernels
+        elif adapted:
+            # The CPU's compiled step runs the base alone (compiling the low-rank path too would
+            # hold the engine thread for a minute): eager layers, each row's low-rank product.
+            in_use = max(len(state.held) for state in states) + 1
+            with lora.select(io[2, :bucket]):
+                logits = loaded.model.decode(io[0, :bucket], io[1, :bucket], in_use)
         else:
             # Eager CPU layers attend only the positions in use; CUDA and compiled layers keep the
             # fixed shapes (the graphs' kernels; else every new length would compile again). The
@@ -726,6 +739,7 @@ class TorchEngine(Engine):
                 "prefix_tokens_reused": str(self._reused),
                 "draft": _draft_note(attached),
                 "adapters": ", ".join(attached.lora.keys) or "-",
+                "adapter_steps": decode.adapter_note,
             },
         )
 
@@ -751,6 +765,13 @@ def _samplers_for(states: Sequence[_Slot], slots: Sequence[int]) -> list[Sampler
     for s, state in zip(slots, states, strict=True):
         rows[s] = state.sampler or _GREEDY
     return rows
+
+
+def _forget_prefixes(attached: _Attached, key: str) -> None:
+    """Slots whose cached prefix was computed with the adapter under `key` forget it."""
+    for state in attached.slots:
+        if state.adapter == key:
+            state.held, state.adapter = [], None
 
 
 def _speculates(attached: _Attached, state: _Slot) -> bool:

@@ -189,3 +189,111 @@ def test_int8_base_batches_adapter_rows_as_they_run_alone(
     alone = [generate(engine, 0, p, params) for p, params in jobs]
     assert len({tuple(t) for t in alone}) == 3
     assert batched(engine, jobs) == alone
+
+
+def test_an_adapter_loaded_into_the_layout_is_written_in_place_and_read_by_the_next_step(
+    tiny_model_dir: Path, adapters: list[LoraAdapter], tmp_path: Path
+) -> None:
+    """Replacing, unloading and loading again within the stacked buffers' layout keeps the buffers
+    (captured graphs read them), and each next step computes with what they hold now; a slot's
+    prefix cached under the key's previous adapter is not reused."""
+    engine = engine_on(tiny_model_dir)
+    engine.load_adapter("x", adapters[1], Path())
+    lora = engine._require().lora
+    version, buffers = lora.version, [(m.a_t, m.b_t) for m in lora._wrapped.values()]
+    prompt = engine.encode(PROMPTS[0])
+    first = generate(engine, 0, prompt, replace(GREEDY, adapter="x"))
+    other = from_peft(
+        make_peft_adapter(tiny_model_dir, tmp_path / "peft-other", seed=3, b_std=0.2), "other", "1", "base"
+    )
+    engine.load_adapter("x", other, Path())  # q/v rank 4 fits the every-layer rank-8 layout
+    assert lora.version == version
+    assert all(m.a_t is a and m.b_t is b for m, (a, b) in zip(lora._wrapped.values(), buffers, strict=True))
+    reference = engine_on(merged(tiny_model_dir, other, tmp_path / "merged"))
+    want = generate(reference, 0, prompt, GREEDY)
+    assert want != first
+    assert generate(engine, 0, prompt, replace(GREEDY, adapter="x")) == want
+    engine.unload_adapter("x")
+    assert all(not m.b_t.any() for m in lora._wrapped.values())  # the slot is zeroed
+    engine.load_adapter("y", other, Path())
+    assert lora.version == version and lora.index("y") == 1  # the freed slot, the same buffers
+    assert generate(engine, 1, prompt, replace(GREEDY, adapter="y")) == want
+    assert generate(engine, 2, prompt, GREEDY) == generate(engine_on(tiny_model_dir), 0, prompt, GREEDY)
+
+
+def test_more_adapters_than_the_layouts_slots_grow_it_and_keep_every_adapter(
+    engine: TorchEngine, adapters: list[LoraAdapter]
+) -> None:
+    lora = engine._require().lora
+    prompt = engine.encode(PROMPTS[2])
+    before = generate(engine, 0, prompt, replace(GREEDY, adapter="every#1"))
+    version = lora.version
+    keys = [f"extra-{i}" for i in range(4)]
+    for key in keys:
+        engine.load_adapter(key, adapters[0], Path())
+    assert lora.version > version  # six adapters: more than the four slots
+    jobs = [(prompt, replace(GREEDY, adapter=k)) for k in ("every#1", keys[-1], "qv#1")]
+    assert batched(engine, jobs)[0] == before
+    for key in keys:
+        engine.unload_adapter(key)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def cuda_engine(model_dir: Path) -> TorchEngine:
+    engine = TorchEngine(device="cuda", dtype="fp32", slots=4, graph_buckets=(1, 2, 4))
+    engine.load(model_dir)
+    return engine
+
+
+@cuda
+def test_cuda_adapter_rows_replay_captured_graphs_alone_mixed_and_as_merged(
+    tiny_model_dir: Path, adapters: list[LoraAdapter], tmp_path: Path
+) -> None:
+    engine = cuda_engine(tiny_model_dir)
+    for adapter in adapters:
+        engine.load_adapter(adapter.name, adapter, Path())
+    decode = engine._require().decode
+    assert decode.adapter_graphs and decode.adapter_prefills, engine.describe().extra["adapter_steps"]
+    prompt = engine.encode(PROMPTS[1])
+    jobs = [
+        (prompt, replace(GREEDY, adapter="qv")),
+        (prompt, GREEDY),
+        (prompt, replace(GREEDY, adapter="every")),
+        (engine.encode(PROMPTS[0]), replace(GREEDY, adapter="qv")),
+    ]
+    alone = [generate(engine, 0, p, params) for p, params in jobs]
+    assert len({tuple(t) for t in alone[:3]}) == 3
+    assert batched(engine, jobs) == alone
+    for which, adapter in enumerate(adapters):
+        reference = cuda_engine(merged(tiny_model_dir, adapter, tmp_path / f"merged-{which}"))
+        assert generate(reference, 0, prompt, GREEDY) == alone[2 * which]
+        reference.unload()
+
+
+@cuda
+def test_cuda_graphs_see_factors_loaded_and_unloaded_after_their_capture(
+    tiny_model_dir: Path, adapters: list[LoraAdapter], tmp_path: Path
+) -> None:
+    engine = cuda_engine(tiny_model_dir)
+    engine.load_adapter("x", adapters[1], Path())
+    decode = engine._require().decode
+    graphs = decode.adapter_graphs
+    prompt = engine.encode(PROMPTS[0])
+    first = generate(engine, 0, prompt, replace(GREEDY, adapter="x"))
+    other = from_peft(
+        make_peft_adapter(tiny_model_dir, tmp_path / "peft-other", seed=3, b_std=0.2), "other", "1", "base"
+    )
+    engine.load_adapter("x", other, Path())
+    assert decode.adapter_graphs is graphs  # no new capture: the graphs read the buffers
+    second = generate(engine, 0, prompt, replace(GREEDY, adapter="x"))
+    assert second != first
+    reference = cuda_engine(merged(tiny_model_dir, other, tmp_path / "merged"))
+    assert second == generate(reference, 0, prompt, GREEDY)
+    reference.unload()
+    base = generate(engine, 1, prompt, GREEDY)
+    engine.unload_adapter("x")
+    engine.load_adapter("x", adapters[1], Path())
+    assert decode.adapter_graphs is graphs
+    assert batched(engine, [(prompt, replace(GREEDY, adapter="x")), (prompt, GREEDY)]) == [first, base]
