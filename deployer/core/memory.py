@@ -36,9 +36,9 @@ __all__ = [
 # peak is its steady state unless the transients of its largest fused projection (concatenated
 # weights, the kernel's repacked copy, the fp32 probe: 8 bytes a parameter of it) outgrow the KV
 # cache; beyond python and torch (280 MiB) its CPU kernels' layouts and the allocator keep what
-# bench/scale_load.py measured as 0.38, 0.70 and 0.76 GB beside the int4-g128 Qwen2.5-1.5B, 3B
-# and Llama-3-8B shapes (4 slots of 2,048 positions): 1/8 of a byte a projection parameter puts
-# their peaks (1.77, 3.07 and 7.08 GB) 4 % over, 2 % under and 6 % over the estimate.
+# bench/scale_load.py measured as 0.38-0.48, 0.70 and 0.76 GB beside the int4-g128 Qwen2.5-1.5B,
+# 3B and Llama-3-8B shapes (4 slots of 2,048 positions): 1/8 of a byte a projection parameter
+# puts the estimate within 6 % of their peaks (1.77-1.87, 3.07 and 7.08 GB).
 ENGINE_OVERHEAD = {"torch": 280 * 2**20, "llama.cpp": 128 * 2**20}
 TORCH_BYTES_PER_PROJECTION_PARAM = 1 / 8
 TORCH_LOAD_BYTES_PER_PARAM = 8
