@@ -327,7 +327,8 @@ def build_model(
         raise FormatError(f"{where}: lm_head.weight is missing and the head is not tied")
     # First, while little else is resident: its transients (the int8 copy, its kernel's repack)
     # then never add to the largest projections'.
-    head = _int8_head(weights, facts, dev, compute) if quantize_head else None
+    head_shape = (args.vocab_size, args.dim)
+    head = _int8_head(weights, facts, head_shape, dev, compute) if quantize_head else None
     used: set[str] = set()
     kernels = _fill_linears(model, weights, facts, dev, compute, used, with_head=head is None)
     if head is not None:
@@ -379,12 +380,16 @@ def _integer_quantized(facts: ArtifactFacts) -> bool:
 
 
 def _int8_head(
-    weights: WeightFiles | MemoryWeights, facts: ArtifactFacts, device: torch.device, dtype: torch.dtype
+    weights: WeightFiles | MemoryWeights,
+    facts: ArtifactFacts,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> tuple[nn.Module, str] | None:
     """An output head on int8 weights quantized from the stored float head (or the tied
-    embedding), per output row as the builder's int8, and its kernel; None where the stored head
-    is quantized already (served as stored) or no int8 kernel takes it (dequantized it would only
-    be slower than the float head).
+    embedding; `shape` is what config.json implies), per output row as the builder's int8, and its
+    kernel; None where the stored head is quantized already (served as stored) or no int8 kernel
+    takes it (dequantized it would only be slower than the float head).
 
     Quantized a block of rows at a time straight from the mapped file, each block's pages dropped
     once read: no float copy of the head is made (at Llama-3-8B, 1.05 GB in bf16).
@@ -399,6 +404,11 @@ def _int8_head(
     weight = weights.require(name)
     if (layout is not None and layout.scheme in INTEGER_SCHEMES) or not weight.is_floating_point():
         return None
+    if tuple(weight.shape) != shape:
+        raise FormatError(
+            f"{name}: weights are {list(weight.shape)} but config.json implies {list(shape)}",
+            hint="the weights do not match config.json; rebuild the artifact",
+        )
     q = torch.empty(weight.shape, dtype=torch.int8)
     scale = torch.empty(weight.shape[0], dtype=torch.float16)
     for start in range(0, weight.shape[0], HEAD_BLOCK):

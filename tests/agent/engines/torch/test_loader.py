@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from safetensors.torch import save_file
 from deployer.agent.engines.torch import loader
 from deployer.agent.engines.torch.loader import WeightFiles, load_model
 from deployer.agent.engines.torch.qlinear import KERNEL_LINEAR
+from deployer.errors import FormatError
 
 
 def _resident_file_bytes() -> int:
@@ -90,3 +93,14 @@ def test_release_rows_drops_only_those_rows_pages(tmp_path: Path) -> None:
     dropped = before - _resident_file_bytes()
     assert 24 * 2**20 < dropped < 40 * 2**20
     assert torch.equal(mapped, big)
+
+
+def test_an_int8_head_of_the_wrong_shape_is_refused(tiny_model_dir: Path, build, tmp_path: Path) -> None:
+    directory = shutil.copytree(build(tiny_model_dir, "int4", 32), tmp_path / "m")
+    config = json.loads((directory / "config.json").read_text())
+    vocab = config["vocab_size"]
+    (directory / "config.json").write_text(json.dumps(config | {"vocab_size": vocab + 64}))
+    with pytest.raises(
+        FormatError, match=rf"embed_tokens\.weight: weights are \[{vocab}, .*implies \[{vocab + 64}"
+    ):
+        load_model(directory, device="cpu", dtype="auto", max_context=64)
