@@ -35,12 +35,13 @@ __all__ = [
 # engines/llamacpp/engine.py). The torch engine's load ends by allocating the KV cache, so its
 # peak is its steady state unless the transients of its largest fused projection (concatenated
 # weights, the kernel's repacked copy, the fp32 probe: 8 bytes a parameter of it) outgrow the KV
-# cache; beyond python and torch (280 MiB) its CPU kernels' layouts and the allocator keep what
-# bench/scale_load.py measured as 0.38-0.48, 0.70 and 0.76 GB beside the int4-g128 Qwen2.5-1.5B,
-# 3B and Llama-3-8B shapes (4 slots of 2,048 positions): 1/8 of a byte a projection parameter
-# puts the estimate within 6 % of their peaks (1.77-1.87, 3.07 and 7.08 GB).
-ENGINE_OVERHEAD = {"torch": 280 * 2**20, "llama.cpp": 128 * 2**20}
-TORCH_BYTES_PER_PROJECTION_PARAM = 1 / 8
+# cache; beyond python, torch and the agent's server (384 MiB; the bench's bare loads held 224 MiB
+# after importing torch) its CPU kernels' layouts and the allocator keep what bench/scale_load.py
+# measured as 0.38-0.48, 0.70 and 0.76 GB beside the int4-g128 Qwen2.5-1.5B, 3B and Llama-3-8B
+# shapes (4 slots of 2,048 positions): 1/16 of a byte a projection parameter puts the estimate
+# within 6 % of their peaks (1.77-1.87, 3.07 and 7.08 GB).
+ENGINE_OVERHEAD = {"torch": 384 * 2**20, "llama.cpp": 128 * 2**20}
+TORCH_BYTES_PER_PROJECTION_PARAM = 1 / 16
 TORCH_LOAD_BYTES_PER_PARAM = 8
 FLOAT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}  # a parameter of each float scheme
 # The agent's default budget for loaded LoRA adapters (agent.yaml's adapter_memory_mb): past it the
