@@ -113,7 +113,7 @@ def main() -> None:
             directory = artifact(shape, engine)
             size = sum(p.stat().st_size for p in directory.iterdir() if p.suffix in (".safetensors", ".gguf"))
             row = _measure(directory, engine, args.slots, args.context, baseline=False)
-            keep_pages = engine == "torch" and not args.no_baseline  # llama.cpp maps and keeps them
+            keep_pages = engine == "torch" and not args.no_baseline  # llama.cpp reads its weights
             base = (
                 _measure(directory, engine, args.slots, args.context, baseline=True) if keep_pages else None
             )

@@ -24,7 +24,7 @@ from deployer.core.memory import (
     engine_bytes,
     int4_bytes,
     kv_bytes_per_position,
-    torch_cpu_head_delta,
+    torch_cpu_tables_delta,
 )
 
 __all__ = [
@@ -89,14 +89,14 @@ def _bytes_per_param(quantization: Quantization, module: str) -> float:
 def resident_weight_bytes(shape: ModelShape, quantization: Quantization, agent: AgentSettings) -> int:
     """Bytes the engine holds for the weights: the stored ones, except that the torch engine on a
     CPU runs the output head of an integer-quantized model on int8 weights it quantizes at load
-    (loader._int8_head), beside a tied embedding or instead of an untied float head."""
+    (loader._int8_head) and looks its float embedding up in the mapped file (torch_cpu_tables_delta)."""
     stored = weight_bytes(shape, quantization)
     integer = quantization.scheme in ("int8", "int4", "layered") or any(
         o.scheme in ("int8", "int4") for o in quantization.overrides
     )
     if agent.engine != "torch" or agent.device == "cuda" or not integer:
         return stored
-    return stored + torch_cpu_head_delta(shape, FLOAT_BYTES.get(quantization.scheme, 2.0))
+    return stored + torch_cpu_tables_delta(shape, FLOAT_BYTES.get(quantization.scheme, 2.0))
 
 
 def estimate_memory(
@@ -106,11 +106,12 @@ def estimate_memory(
     of `adapter_bytes` in all loaded (the agent unloads the least recently used past its budget, so
     they count at most ADAPTER_BUDGET_MB)."""
     kv_per_token = kv_bytes_per_position(shape, agent.engine)
+    kv_cache = kv_per_token * agent.max_tokens * agent.max_concurrent
     return MemoryEstimate(
         params=shape.params,
         weights=resident_weight_bytes(shape, model.quantization, agent),
-        kv_cache=kv_per_token * agent.max_tokens * agent.max_concurrent,
-        engine=engine_bytes(shape, agent.engine),
+        kv_cache=kv_cache,
+        engine=engine_bytes(shape, agent.engine, kv_cache),
         weight_copies=2 if agent.swap_policy == "side-by-side" else 1,
         draft=draft_bytes(shape, kv_per_token * agent.max_tokens) if agent.draft != "off" else 0,
         adapters=min(adapter_bytes, int(ADAPTER_BUDGET_MB * 2**20)),

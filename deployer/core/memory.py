@@ -1,9 +1,9 @@
 """The arithmetic of a served model's memory, shared by validate's estimate (deployer/config/
 estimate.py, from deploy.yaml's quantization) and the agent's hot-swap policy (from the artifact
 it is about to load): the shape's parameters, the KV cache, the engine's overhead and load
-transients, the torch engine's int8 head and int4 draft, and loaded LoRA adapters (their budget,
-and their factors as the engine holds them). Imports nothing outside deployer/core, so the agent
-can import it.
+transients, the torch engine's int8 head, mapped embedding and int4 draft, and loaded LoRA
+adapters (their budget, and their factors as the engine holds them). Imports nothing outside
+deployer/core, so the agent can import it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ __all__ = [
     "ENGINE_OVERHEAD",
     "FLOAT_BYTES",
     "SMOLLM2_SHAPE",
+    "TORCH_BYTES_PER_PROJECTION_PARAM",
     "TORCH_LOAD_BYTES_PER_PARAM",
     "ModelShape",
     "draft_bytes",
@@ -26,15 +27,21 @@ __all__ = [
     "int4_bytes",
     "kv_bytes_per_position",
     "lora_bytes",
-    "torch_cpu_head_delta",
+    "torch_cpu_tables_delta",
 ]
 
-# Peak RSS beyond weights and KV cache, per engine: python and the libraries (llama.cpp: 168 MB
-# in all, FACTS.md), and for torch the load's transients, which grow with the largest fused
-# projection (its concatenated weights, the repacked copy and the fp32 probe of its kernel):
-# 384 MiB + 8 bytes a parameter of it put bench/scale_load.py's measured peaks of Qwen2.5-1.5B and
-# 3B shapes at int4 (2.27 and 3.71 GB) 9% and 1% under the estimate.
+# RSS beyond weights and KV cache, per engine, at the load's peak: python and the libraries
+# (llama.cpp: 168 MB in all, FACTS.md; it reads the weights into its own buffers, see
+# engines/llamacpp/engine.py). The torch engine's load ends by allocating the KV cache, so its
+# peak is its steady state unless the transients of its largest fused projection (concatenated
+# weights, the kernel's repacked copy, the fp32 probe: 8 bytes a parameter of it) outgrow the KV
+# cache; beyond python, torch and the agent's server (384 MiB; the bench's bare loads held 224 MiB
+# after importing torch) its CPU kernels' layouts and the allocator keep what bench/scale_load.py
+# measured as 0.38-0.48, 0.70 and 0.76 GB beside the int4-g128 Qwen2.5-1.5B, 3B and Llama-3-8B
+# shapes (4 slots of 2,048 positions): 1/16 of a byte a projection parameter puts the estimate
+# within 6 % of their peaks (1.77-1.87, 3.07 and 7.08 GB).
 ENGINE_OVERHEAD = {"torch": 384 * 2**20, "llama.cpp": 128 * 2**20}
+TORCH_BYTES_PER_PROJECTION_PARAM = 1 / 16
 TORCH_LOAD_BYTES_PER_PARAM = 8
 FLOAT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}  # a parameter of each float scheme
 # The agent's default budget for loaded LoRA adapters (agent.yaml's adapter_memory_mb): past it the
@@ -149,20 +156,27 @@ def kv_bytes_per_position(shape: ModelShape, engine: str) -> int:
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * value_bytes
 
 
-def engine_bytes(shape: ModelShape, engine: str) -> int:
-    """The engine's overhead beyond weights and KV cache at its load's peak (ENGINE_OVERHEAD, and
-    for torch the transients of its largest fused projection)."""
-    transients = TORCH_LOAD_BYTES_PER_PARAM * shape.largest_projection if engine == "torch" else 0
-    return ENGINE_OVERHEAD[engine] + transients
+def engine_bytes(shape: ModelShape, engine: str, kv_cache: int) -> int:
+    """The engine's overhead beyond weights and a KV cache of `kv_cache` bytes at its load's peak
+    (ENGINE_OVERHEAD; for torch, a share per projection parameter and the part of its largest
+    fused projection's load transients that the KV cache, allocated after them, does not cover)."""
+    if engine != "torch":
+        return ENGINE_OVERHEAD[engine]
+    projections = shape.layers * (shape.attention_params + shape.mlp_params)
+    transients = TORCH_LOAD_BYTES_PER_PARAM * shape.largest_projection
+    kept = int(TORCH_BYTES_PER_PROJECTION_PARAM * projections)
+    return ENGINE_OVERHEAD[engine] + kept + max(0, transients - kv_cache)
 
 
-def torch_cpu_head_delta(shape: ModelShape, stored_head_bytes_per_param: float) -> int:
-    """What the torch engine on a CPU adds to an integer-quantized model's stored weights: it runs
-    the output head on int8 weights it quantizes at load (loader._int8_head), beside a tied
-    embedding or instead of an untied float head stored at `stored_head_bytes_per_param`."""
+def torch_cpu_tables_delta(shape: ModelShape, stored_float_bytes_per_param: float) -> int:
+    """What the torch engine on a CPU holds of an integer-quantized model's embedding and output
+    head, beyond their stored bytes (`stored_float_bytes_per_param` a parameter: negative). It
+    runs the head on int8 weights it quantizes at load (loader._int8_head), in place of an untied
+    float head or beside a tied embedding, and looks the embedding's rows up in the mapped
+    artifact: only the rows of the tokens it reads are resident, clean file pages the kernel
+    reclaims before it kills anything, so none are counted."""
     head_int8 = shape.vocab * (shape.hidden + 2)  # a byte a weight, an fp16 scale a row
-    replaced = 0 if shape.tied else shape.vocab * shape.hidden * stored_head_bytes_per_param
-    return int(head_int8 - replaced)
+    return int(head_int8 - shape.embedding_params * stored_float_bytes_per_param)
 
 
 def lora_bytes(factor_elements: int) -> int:

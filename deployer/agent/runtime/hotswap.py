@@ -42,7 +42,7 @@ from deployer.core.memory import (
     draft_bytes,
     engine_bytes,
     kv_bytes_per_position,
-    torch_cpu_head_delta,
+    torch_cpu_tables_delta,
 )
 from deployer.errors import AgentError, FormatError
 
@@ -488,10 +488,10 @@ def _quietly_unload(engine: Engine) -> None:
 def load_need_bytes(artifact_dir: Path, settings: AgentSettings) -> int | None:
     """The memory loading `artifact_dir` takes at its peak with these settings, counted as
     validate's estimate counts it (deployer/core/memory.py): the stored weights (the artifact's
-    weight files), the torch engine's int8 head on a CPU, the KV cache of max_concurrent sequences
-    of context_length positions, the int4 draft where asked, and the engine's overhead and load
-    transients. None when the artifact's shape (config.json, or a GGUF's header) or manifest cannot
-    be read (its load will fail and say why)."""
+    weight files), the torch engine's int8 head and mapped embedding on a CPU, the KV cache of
+    max_concurrent sequences of context_length positions, the int4 draft where asked, and the
+    engine's overhead and load transients. None when the artifact's shape (config.json, or a
+    GGUF's header) or manifest cannot be read (its load will fail and say why)."""
     try:
         gguf = artifact_dir / GGUF_FILE
         # A safetensors artifact carries the source's config.json; a GGUF its shape in its header.
@@ -509,13 +509,12 @@ def load_need_bytes(artifact_dir: Path, settings: AgentSettings) -> int | None:
     integer = any(m.scheme in INTEGER_SCHEMES for m in modules.values())
     weights = stored
     if settings.engine == "torch" and settings.device != "cuda" and integer:
-        head = modules.get("lm_head") or modules.get("model.embed_tokens")
-        head_float = FLOAT_BYTES.get(head.scheme if head else "fp16", 2.0)
-        weights += torch_cpu_head_delta(shape, head_float)
+        table = modules.get("model.embed_tokens") or modules.get("lm_head")
+        weights += torch_cpu_tables_delta(shape, FLOAT_BYTES.get(table.scheme if table else "fp16", 2.0))
     kv_per_position = kv_bytes_per_position(shape, settings.engine)
     kv_cache = kv_per_position * settings.context_length * settings.max_concurrent
     draft = draft_bytes(shape, kv_per_position * settings.context_length) if settings.draft != "off" else 0
-    return weights + kv_cache + draft + engine_bytes(shape, settings.engine)
+    return weights + kv_cache + draft + engine_bytes(shape, settings.engine, kv_cache)
 
 
 def _available_memory_bytes() -> int | None:

@@ -65,7 +65,9 @@ def test_a_gguf_artifact_is_counted_from_its_header(tiny_model_dir: Path, tmp_pa
     assert shape == ModelShape.from_config_json(tiny_model_dir / "config.json")
     need = load_need_bytes(artifact, _settings(engine="llama.cpp", max_concurrent=2, context_length=512))
     kv_cache = 2 * 512 * kv_bytes_per_position(shape, "llama.cpp")  # fp16 K and V
-    assert need == (artifact / GGUF_FILE).stat().st_size + kv_cache + engine_bytes(shape, "llama.cpp")
+    assert need == (artifact / GGUF_FILE).stat().st_size + kv_cache + engine_bytes(
+        shape, "llama.cpp", kv_cache
+    )
 
 
 def test_an_unreadable_artifact_has_no_need(tmp_path: Path) -> None:

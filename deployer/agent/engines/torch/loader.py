@@ -22,7 +22,6 @@ from torch import nn
 from deployer.agent.engines.torch.model import ModelArgs, Transformer, args_from_config
 from deployer.agent.engines.torch.qlinear import (
     KERNEL_DEQUANT,
-    FloatLinear,
     LinearWeights,
     OneDnnLinear,
     build_linear,
@@ -41,6 +40,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The draft model of speculative decoding (load_draft): int4 in groups of this many columns, the
 # scheme that decodes fastest on a CPU (docs/torch-engine.md).
 DRAFT_GROUP = 32
+# Rows of the output head quantized to int8 at a time (loader._int8_head): 32 MB of an fp16
+# head 4,096 wide.
+HEAD_BLOCK = 4096
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -120,11 +122,21 @@ class WeightFiles:
         read back from the file if a tensor still viewing them is used again: dropping is safe.
         """
         for name in names:
-            if name not in self._entries:
-                continue
-            mapped, e = self._entries[name]
-            start = e.offset - e.offset % mmap.PAGESIZE
-            mapped.madvise(mmap.MADV_DONTNEED, start, e.offset + e.length - start)
+            if name in self._entries:
+                self.release_rows(name, 0, None)
+
+    def release_rows(self, name: str, start: int, stop: int | None) -> None:
+        """Like release, for rows start..stop-1 (None: to the end) of `name` only, so that a
+        tensor read a block of rows at a time (the int8 head quantized from Llama-3-8B's 1 GB fp16
+        one) never has all its pages resident."""
+        mapped, e = self._entries[name]
+        rows = e.shape[0] if e.shape else 1
+        row_bytes = e.length // rows if rows else 0
+        first = e.offset + start * row_bytes
+        begin = first - first % mmap.PAGESIZE
+        end = e.offset + (rows if stop is None else min(stop, rows)) * row_bytes
+        if end > begin:
+            mapped.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
     def require(self, name: str) -> torch.Tensor:
         """Like get, but a missing tensor is a FormatError."""
@@ -272,6 +284,9 @@ class MemoryWeights:
     def release(self, names: Iterable[str]) -> None:
         """Nothing to drop: these tensors are the caller's."""
 
+    def release_rows(self, name: str, start: int, stop: int | None) -> None:
+        """Nothing to drop: these tensors are the caller's."""
+
     def require(self, name: str) -> torch.Tensor:
         """Like get, but a missing tensor is a FormatError."""
         if name not in self._tensors:
@@ -306,26 +321,28 @@ def build_model(
     compute = choose_dtype(dtype, facts, weights, dev)
     with torch.device("meta"):
         model = Transformer(args)
+    if quantize_head is None:
+        quantize_head = dev.type == "cpu" and _integer_quantized(facts)
+    if "lm_head.weight" not in weights.names() and config.get("tie_word_embeddings") is False:
+        raise FormatError(f"{where}: lm_head.weight is missing and the head is not tied")
+    # First, while little else is resident: its transients (the int8 copy, its kernel's repack)
+    # then never add to the largest projections'.
+    head_shape = (args.vocab_size, args.dim)
+    head = _int8_head(weights, facts, head_shape, dev, compute) if quantize_head else None
     used: set[str] = set()
-    kernels = _fill_linears(model, weights, facts, dev, compute, used)
-    _fill_plain(model, weights, dev, compute, used)
-    if "lm_head" not in kernels:
-        if config.get("tie_word_embeddings") is False:
-            raise FormatError(f"{where}: lm_head.weight is missing and the head is not tied")
+    kernels = _fill_linears(model, weights, facts, dev, compute, used, with_head=head is None)
+    if head is not None:
+        model.lm_head, kernels["lm_head"] = head
+        used.update(n for n in _parts("lm_head") if n in weights.names())
+    tied_float = "lm_head" not in kernels
+    # On a CPU the embedding is looked up where the artifact stores it (mapped: only the rows
+    # looked up are resident), unless a float head shares it, in the compute dtype.
+    _fill_plain(model, weights, dev, compute, used, keep_embedding=dev.type == "cpu" and not tied_float)
+    if tied_float:
         # Tied output head: the embedding matrix serves as the head, not stored twice.
         model.lm_head, kernels["lm_head"] = build_linear(
             "lm_head", LinearWeights(model.model.embed_tokens.weight), None, dev, compute
         )
-    if quantize_head is None:
-        quantize_head = dev.type == "cpu" and _integer_quantized(facts)
-    if quantize_head and isinstance(model.lm_head, FloatLinear):
-        # From the stored weights (fp16, say), not from their copy in the compute dtype.
-        stored = weights.get("lm_head.weight")
-        source = weights.require("model.embed_tokens.weight") if stored is None else stored
-        head = _int8_head(source, model.lm_head.bias, dev, compute)
-        weights.release(["lm_head.weight", "model.embed_tokens.weight"])
-        if head is not None:
-            model.lm_head, kernels["lm_head"] = head
     kernel_note = _time_float_kernels(model, kernels)
     _check_all_used(where, weights, used)
     # On a CPU attention runs in fp32 whatever the model's dtype (see llama.KVCache).
@@ -363,20 +380,45 @@ def _integer_quantized(facts: ArtifactFacts) -> bool:
 
 
 def _int8_head(
-    weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype
+    weights: WeightFiles | MemoryWeights,
+    facts: ArtifactFacts,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> tuple[nn.Module, str] | None:
-    """An output head on int8 weights quantized from `weight` (per output row, as the builder's
-    int8), and its kernel; None where no int8 kernel takes it (dequantized it would only be
-    slower than the float head).
+    """An output head on int8 weights quantized from the stored float head (or the tied
+    embedding; `shape` is what config.json implies), per output row as the builder's int8, and its
+    kernel; None where the stored head is quantized already (served as stored) or no int8 kernel
+    takes it (dequantized it would only be slower than the float head).
+
+    Quantized a block of rows at a time straight from the mapped file, each block's pages dropped
+    once read: no float copy of the head is made (at Llama-3-8B, 1.05 GB in bf16).
 
     Decode reads the whole head every token: SmolLM2's tied 49152x576 matrix is 46% of an int4
     g32 model's bytes in bf16; alone it took 2.1 ms in bf16 and 0.75 ms in int8 (2 threads).
     llama.cpp does the same: the Q4_1 GGUF's output head is Q8_0.
     """
-    q, scale = quantize_int8(weight)
+    names = weights.names()
+    name = "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
+    layout = facts.modules.get(name.removesuffix(".weight"))
+    weight = weights.require(name)
+    if (layout is not None and layout.scheme in INTEGER_SCHEMES) or not weight.is_floating_point():
+        return None
+    if tuple(weight.shape) != shape:
+        raise FormatError(
+            f"{name}: weights are {list(weight.shape)} but config.json implies {list(shape)}",
+            hint="the weights do not match config.json; rebuild the artifact",
+        )
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float16)
+    for start in range(0, weight.shape[0], HEAD_BLOCK):
+        block = slice(start, start + HEAD_BLOCK)
+        q[block], scale[block] = quantize_int8(weight[block])
+        weights.release_rows(name, start, start + HEAD_BLOCK)
+    bias = weights.get("lm_head.bias")
     out_features, in_features = q.shape
     layout = ModuleQuant("int8", None, in_features, in_features, out_features)
-    stored_bias = None if bias is None else bias.detach().float().cpu()
+    stored_bias = None if bias is None else bias.float()
     layer, kernel = build_linear("lm_head", LinearWeights(q, stored_bias, scale), layout, device, dtype)
     return None if kernel == KERNEL_DEQUANT else (layer, kernel)
 
@@ -395,12 +437,14 @@ def _fill_linears(
     device: torch.device,
     dtype: torch.dtype,
     used: set[str],
+    *,
+    with_head: bool,
 ) -> dict[str, str]:
     stored: dict[str, tuple[LinearWeights, ModuleQuant | None]] = {}
     names = weights.names()
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in linears:
-        if name == "lm_head" and f"{name}.weight" not in names:
+        if name == "lm_head" and (not with_head or f"{name}.weight" not in names):
             continue
         parts = dict(zip(("weight", "bias", "weight_scale", "weight_zero"), _parts(name), strict=True))
         w = LinearWeights(
@@ -497,8 +541,12 @@ def _fill_plain(
     device: torch.device,
     dtype: torch.dtype,
     used: set[str],
+    *,
+    keep_embedding: bool,
 ) -> None:
-    # Embedding and norms: what is left on the meta device after the linears (but a tied head).
+    """Embedding and norms: what is left on the meta device after the linears (but a tied head),
+    in `dtype` on `device`; `keep_embedding` leaves a float embedding as stored (no copy)."""
+    model.model.embed_tokens.out_dtype = dtype
     for name, param in list(model.named_parameters()):
         if not param.is_meta or name.startswith("lm_head."):
             continue
@@ -506,7 +554,8 @@ def _fill_plain(
         if tuple(tensor.shape) != tuple(param.shape):
             raise FormatError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(param.shape)}")
         module_name, _, attr = name.rpartition(".")
-        value = nn.Parameter(tensor.to(device, dtype), requires_grad=False)
+        keep = keep_embedding and name == "model.embed_tokens.weight" and tensor.is_floating_point()
+        value = nn.Parameter(tensor if keep else tensor.to(device, dtype), requires_grad=False)
         setattr(model.get_submodule(module_name), attr, value)
         used.add(name)
         weights.release([name])

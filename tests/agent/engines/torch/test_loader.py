@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ from safetensors.torch import save_file
 
 from deployer.agent.engines.torch import loader
 from deployer.agent.engines.torch.loader import WeightFiles, load_model
+from deployer.agent.engines.torch.qlinear import KERNEL_LINEAR
+from deployer.errors import FormatError
 
 
 def _resident_file_bytes() -> int:
@@ -51,3 +55,52 @@ def test_a_load_releases_every_tensor_it_copies(
     load_model(artifact, device="cpu", dtype="auto", max_context=64)
     stored = WeightFiles(artifact).names()
     assert released == stored
+
+
+def test_a_cpu_load_looks_up_the_embedding_in_the_mapped_file(
+    tiny_model_dir: Path, build, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    artifact = build(tiny_model_dir, "int4", 32)  # fp16 embedding, tied head
+    views: dict[str, int] = {}
+    original = WeightFiles.get
+
+    def spy(self: WeightFiles, name: str) -> torch.Tensor | None:
+        tensor = original(self, name)
+        if tensor is not None:
+            views[name] = tensor.data_ptr()
+        return tensor
+
+    monkeypatch.setattr(loader.WeightFiles, "get", spy)
+    loaded = load_model(artifact, device="cpu", dtype="auto", max_context=64)
+    table = loaded.model.model.embed_tokens
+    # No copy: the parameter is the view of the file, in the stored dtype.
+    assert table.weight.data_ptr() == views["model.embed_tokens.weight"]
+    assert (table.weight.dtype, loaded.dtype) == (torch.float16, torch.bfloat16)
+    rows = table(torch.tensor([[1, 2]]))
+    assert rows.dtype == torch.bfloat16
+    assert torch.equal(rows[0, 1], table.weight[2].to(torch.bfloat16))
+    assert loaded.kernels["lm_head"] != KERNEL_LINEAR  # the int8 head, quantized from the same view
+
+
+def test_release_rows_drops_only_those_rows_pages(tmp_path: Path) -> None:
+    big = torch.randn(4096, 4096)  # 64 MiB, 16 KiB a row
+    save_file({"big": big}, str(tmp_path / "model.safetensors"))
+    weights = WeightFiles(tmp_path)
+    mapped = weights.require("big")
+    assert torch.equal(mapped, big)
+    before = _resident_file_bytes()
+    weights.release_rows("big", 0, 2048)
+    dropped = before - _resident_file_bytes()
+    assert 24 * 2**20 < dropped < 40 * 2**20
+    assert torch.equal(mapped, big)
+
+
+def test_an_int8_head_of_the_wrong_shape_is_refused(tiny_model_dir: Path, build, tmp_path: Path) -> None:
+    directory = shutil.copytree(build(tiny_model_dir, "int4", 32), tmp_path / "m")
+    config = json.loads((directory / "config.json").read_text())
+    vocab = config["vocab_size"]
+    (directory / "config.json").write_text(json.dumps(config | {"vocab_size": vocab + 64}))
+    with pytest.raises(
+        FormatError, match=rf"embed_tokens\.weight: weights are \[{vocab}, .*implies \[{vocab + 64}"
+    ):
+        load_model(directory, device="cpu", dtype="auto", max_context=64)
