@@ -59,9 +59,10 @@ def lab_unavailable() -> str | None:
 
 
 def _engines(arch: str) -> tuple[str, ...]:
-    """The engines whose wheelhouse the lab needs for devices of `arch`: llama-cpp-python has no
-    wheel on PyPI, and the controller builds it only for its own architecture (see device_wheels)."""
-    return ("torch",) if emulation.is_foreign(arch) else ("torch", "llama.cpp")
+    """The engines whose wheelhouse the lab gathers up front for devices of `arch`. For an emulated
+    one, none: its llama.cpp wheel is a cross-build and its torch a 2.8 GB download, so each is
+    gathered by `device_wheels` only for a test that asks (torch only with ARM_TORCH_ENV set)."""
+    return () if emulation.is_foreign(arch) else ("torch", "llama.cpp")
 
 
 @pytest.fixture(scope="session")
