@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deployer import __version__
-from deployer.build.gguf_adapter import gguf_base, write_gguf_adapter
 from deployer.build.source import SourceModel, open_source
 from deployer.build.spec import GateSpec, QualityReport
 from deployer.build.store import Store
@@ -84,6 +83,10 @@ def build_adapter(request: AdapterBuildRequest) -> AdapterBuild:
     Raises BuildError (a base that does not match, a module the base lacks), FormatError (from the
     PEFT files: rank, NaN, missing tensor) and QualityGateError.
     """
+    # Here, not at the top: it imports torch and gguf, which `apply` (it reads this module's
+    # names to find built adapters) does not need.
+    from deployer.build.gguf_adapter import gguf_base, write_gguf_adapter
+
     base = read_manifest(request.base_artifact_dir)
     if request.base_sha256 is not None and base.source.sha256 != request.base_sha256:
         raise BuildError(
