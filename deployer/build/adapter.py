@@ -10,23 +10,23 @@ sorted tensors, quality figures rounded by the gate), so the same PEFT files, ba
 always give the same id. The id binds the base artifact's id (in `adapter.json` and the manifest),
 so an adapter built for another base is another artifact.
 
-The gate reuses `deployer.build.quality`'s public entry points unchanged: the reference is the
-source model with ``factor * B @ A`` added to each target module in fp32 (written once to a
-temporary HF directory, so `quality.measure` scores against it as it scores any source), and the
-model under test is the base artifact's dequantized weights with the same fp16 factors added, which
-is what the device computes (the low-rank product beside the quantized matmul) up to rounding.
+The gate is the model gate's `quality.measure`, streamed a decoder layer at a time: the reference
+is the source checkpoint with ``factor * B @ A`` added to each target module in fp32 as its weights
+are read (the merged model, never written out), and the model under test is the base artifact's
+dequantized weights with the same fp16 factors added, which is what the device computes (the
+low-rank product beside the quantized matmul) up to rounding.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deployer import __version__
-from deployer.build.gguf_adapter import gguf_base, write_gguf_adapter
+from deployer.build.source import SourceModel, open_source
 from deployer.build.spec import GateSpec, QualityReport
 from deployer.build.store import Store
 from deployer.core.adapter_release import AdapterManifest, hash_files, write_adapter_manifest
@@ -38,6 +38,7 @@ from deployer.errors import BuildError, FormatError
 if TYPE_CHECKING:
     import torch
 
+    from deployer.build import quality
     from deployer.config.models import Config
 
 ADAPTERS_DIRNAME = "adapters"  # under the project's store: .sits/store/adapters/<id>/
@@ -82,6 +83,10 @@ def build_adapter(request: AdapterBuildRequest) -> AdapterBuild:
     Raises BuildError (a base that does not match, a module the base lacks), FormatError (from the
     PEFT files: rank, NaN, missing tensor) and QualityGateError.
     """
+    # Here, not at the top: it imports torch and gguf, which `apply` (it reads this module's
+    # names to find built adapters) does not need.
+    from deployer.build.gguf_adapter import gguf_base, write_gguf_adapter
+
     base = read_manifest(request.base_artifact_dir)
     if request.base_sha256 is not None and base.source.sha256 != request.base_sha256:
         raise BuildError(
@@ -92,14 +97,15 @@ def build_adapter(request: AdapterBuildRequest) -> AdapterBuild:
     adapter = from_peft(
         request.peft_dir, request.name, request.version, request.base_artifact_id, request.scale
     )
-    _check_fits(adapter, request)
+    source = open_source(request.base_source_dir)  # once: the fit check and the gate both read it
+    _check_fits(adapter, request, source)
     store = Store(request.store_dir / ADAPTERS_DIRNAME)
     with store.staging() as staged:
         write_adapter(adapter, staged)
         files = [ADAPTER_JSON, ADAPTER_SAFETENSORS]
         if (base_gguf := gguf_base(request.base_artifact_dir)) is not None:
             files.append(write_gguf_adapter(adapter, base_gguf, staged).name)
-        report = _gate(adapter, request) if request.gate is not None else None
+        report = _gate(adapter, request, source) if request.gate is not None else None
         manifest = AdapterManifest(
             adapter=ModelRef(name=request.name, version=request.version),
             base_artifact_id=request.base_artifact_id,
@@ -124,14 +130,12 @@ def _commit(store: Store, staged: Path, artifact_id: str) -> Path:
     return dest
 
 
-def _check_fits(adapter: LoraAdapter, request: AdapterBuildRequest) -> None:
+def _check_fits(adapter: LoraAdapter, request: AdapterBuildRequest, source: SourceModel) -> None:
     """Every target module is a linear of the base (its source's 2-D weights, which also covers a
     float base, whose manifest lists no quantized modules), with the factors' features."""
-    from deployer.build.source import open_source
-
     linears = {
         t.name.removesuffix(".weight"): t.entry.shape
-        for t in open_source(request.base_source_dir).tensors
+        for t in source.tensors
         if t.name.endswith(".weight") and len(t.entry.shape) == 2
     }
     for module, (a, b) in adapter.tensors.items():
@@ -160,13 +164,30 @@ def _deltas(adapter: LoraAdapter) -> dict[str, torch.Tensor]:
     }
 
 
-def _gate(adapter: LoraAdapter, request: AdapterBuildRequest) -> QualityReport:
-    """Quantized base + adapter against the unquantized merged model, on the gate's eval text."""
-    from safetensors.torch import save_file
+class _Merged:
+    """Weights (the quality gate's `Weights`) with ``factor * B @ A`` added to each target module's
+    weight as it is read: the merged model, never materialized whole or written to disk."""
 
+    def __init__(self, weights: quality.Weights, deltas: Mapping[str, torch.Tensor]) -> None:
+        self._weights = weights
+        self._deltas = deltas
+
+    def tensors(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The named tensors in fp32, merged."""
+        state = self._weights.tensors(names)
+        return {name: t + self._deltas[name] if name in self._deltas else t for name, t in state.items()}
+
+    def row_blocks(self, name: str, rows: int) -> Iterator[torch.Tensor]:
+        """The tensor `name`, `rows` rows at a time, merged (a head or embedding target too)."""
+        delta = self._deltas.get(name)
+        for start, block in zip(itertools.count(0, rows), self._weights.row_blocks(name, rows)):
+            yield block if delta is None else block + delta[start : start + len(block)]
+
+
+def _gate(adapter: LoraAdapter, request: AdapterBuildRequest, source: SourceModel) -> QualityReport:
+    """Quantized base + adapter against the unquantized merged model, on the gate's eval text."""
     from deployer.build import quality
-    from deployer.build.artifact import load_state_dict
-    from deployer.build.source import iter_tensors, open_source
+    from deployer.build.artifact import ArtifactWeights, module_quants
 
     gate = request.gate
     assert gate is not None  # the caller checked
@@ -176,21 +197,10 @@ def _gate(adapter: LoraAdapter, request: AdapterBuildRequest) -> QualityReport:
             hint="remove model.quality_gate for adapters of a llama.cpp (GGUF) base",
         )
     deltas = _deltas(adapter)
-    source = open_source(request.base_source_dir)
-    with tempfile.TemporaryDirectory(prefix="sits-adapter-ref-") as tmp:
-        merged = Path(tmp)
-        for name in source.copy_files:
-            if (source.path / name).is_file():
-                shutil.copyfile(source.path / name, merged / name)
-        state = {t.name: w.float() + deltas.get(t.name, 0) for t, w in iter_tensors(source)}
-        save_file(state, str(merged / "model.safetensors"))
-        del state
-        reference = open_source(merged)
-        tested = load_state_dict(request.base_artifact_dir)
-        for name, delta in deltas.items():
-            tested[name] = tested[name] + delta
-        with quality.torch_scorer(source, tested) as scorer:
-            measured = quality.measure(reference, scorer, gate, 16.0)
+    base = ArtifactWeights(request.base_artifact_dir, module_quants(read_manifest(request.base_artifact_dir)))
+    measured = quality.measure(
+        source, _Merged(base, deltas), gate, 16.0, reference=_Merged(quality.SourceWeights(source), deltas)
+    )
     report = quality.apply_limits(measured, gate)
     quality.enforce(report, f"adapter {adapter.name} {adapter.version}")
     return report

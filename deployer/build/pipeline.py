@@ -1,10 +1,10 @@
 """`build_artifact`: source model -> quantized, quality-gated artifact in the local store.
 
-Steps: validate the source; hash it; look the inputs up in the build cache (a hit does no work,
-but its recorded quality is still judged against today's limits); otherwise quantize tensor by
-tensor into a staging directory, copy the config and tokenizer files, run the quality gate,
-write the manifest and rename the directory into the store. Any failure leaves nothing in
-artifacts/ and no cache entry.
+Steps: validate the source's files; hash them; look the inputs up in the build cache (a hit does
+no work, but its recorded quality is still judged against today's limits); otherwise check the
+tensors' shapes against the architecture's modules, quantize tensor by tensor into a staging
+directory, copy the config and tokenizer files, run the quality gate, write the manifest and
+rename the directory into the store. Any failure leaves nothing in artifacts/ and no cache entry.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from deployer.build.artifact import (
 )
 from deployer.build.progress import BuildProgress, SilentProgress
 from deployer.build.quantize import TensorPlan, plan_tensor, quantize_tensor
-from deployer.build.source import SourceModel, iter_tensors, open_source, source_sha256
+from deployer.build.source import SourceModel, check_shapes, iter_tensors, open_source, source_sha256
 from deployer.build.spec import AwqSpec, BuildRequest, BuildResult, QualityReport
 from deployer.build.store import Store, build_key
 from deployer.core.hashing import sha256_file
@@ -87,9 +87,9 @@ def find_built(request: BuildRequest) -> BuildResult | None:
     """The artifact `request` describes if it was built before (intact in the store), else None.
 
     Read-only: it hashes the source and looks the inputs up; it never quantizes or writes. Raises
-    SourceModelError for a bad source.
+    SourceModelError for a source whose files are bad (its tensors' shapes are checked by a build).
     """
-    source = open_source(request.source_dir)
+    source = open_source(request.source_dir, shapes=False)
     calibration = _calibration(request)
     key = build_key(_cache_inputs(request, source_sha256(source), calibration))
     artifact_id = Store(request.store_dir).lookup(key)
@@ -99,7 +99,7 @@ def find_built(request: BuildRequest) -> BuildResult | None:
 
 
 def _build(request: BuildRequest, progress: BuildProgress, started: float) -> BuildResult:
-    source = open_source(request.source_dir)
+    source = open_source(request.source_dir, shapes=False)  # checked below, on a miss
     progress.stage(f"hashing source {source.path}")
     source_id = source_sha256(source)
     calibration = _calibration(request)
@@ -107,6 +107,7 @@ def _build(request: BuildRequest, progress: BuildProgress, started: float) -> Bu
     store = Store(request.store_dir)
     if request.use_cache and (artifact_id := store.lookup(key)):
         return _cached(request, store, artifact_id, started)
+    check_shapes(source)
     with store.staging() as staged:
         if request.format == "gguf":
             written = _write_gguf(source, request, staged, progress, calibration)

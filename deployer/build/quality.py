@@ -249,9 +249,19 @@ def llama_cpp_scorer(gguf_path: Path, context: int) -> Iterator[Scorer]:
         llm.close()
 
 
-def measure(source: SourceModel, quantized: Quantized, gate: GateSpec, bits: float) -> QualityReport:
+def measure(
+    source: SourceModel,
+    quantized: Quantized,
+    gate: GateSpec,
+    bits: float,
+    reference: Weights | None = None,
+) -> QualityReport:
     """Score the quantized model (`bits` per weight) against the source model on the gate's eval
-    text, both streamed (see the module docstring) unless `quantized` is a whole-window Scorer."""
+    text, both streamed (see the module docstring) unless `quantized` is a whole-window Scorer.
+
+    `reference` replaces the source checkpoint's weights as the reference (the architecture and
+    the tokenizer stay the source's): an adapter's gate scores against the merged model this way,
+    without writing it to disk."""
     tokens = eval_tokens(source, gate.eval_text, gate.max_tokens)
     size = window(source)
     windows = [tokens[start : start + size + 1] for start in range(0, len(tokens) - 1, size)]
@@ -259,7 +269,7 @@ def measure(source: SourceModel, quantized: Quantized, gate: GateSpec, bits: flo
     totals = _Totals()
     with torch.inference_mode():
         model = _Decoder(source)
-        reference = SourceWeights(source)
+        reference = reference if reference is not None else SourceWeights(source)
         reference_states = model.hidden_states(reference, inputs)
         quantized_logits = _window_logits(model, quantized, inputs)
         for i, chunk in enumerate(windows):

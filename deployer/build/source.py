@@ -77,8 +77,12 @@ def resolve_source(ref: str, base_dir: Path) -> Path:
     return path if path.is_absolute() else (base_dir / path)
 
 
-def open_source(path: Path) -> SourceModel:
-    """Validate `path` as an HF-layout model and index its tensors. Raises SourceModelError."""
+def open_source(path: Path, *, shapes: bool = True) -> SourceModel:
+    """Validate `path` as an HF-layout model and index its tensors. Raises SourceModelError.
+
+    `shapes=False` leaves out `check_shapes`, which imports torch and transformers (seconds on a
+    small device or a loaded machine): for a build-cache lookup, since a hit was built from
+    byte-identical files that passed it; a miss checks before it builds."""
     if not path.is_dir():
         raise SourceModelError(
             f"{path}: source model directory not found",
@@ -93,9 +97,8 @@ def open_source(path: Path) -> SourceModel:
     weight_files = tuple(sorted(set(weight_map.values()))) if weight_map else (SINGLE_FILE,)
     _check_files(path, weight_files)
     tensors = _index_tensors(path, weight_files, weight_map)
-    _check_shapes(path, config, tensors)
     optional = tuple(n for n in OPTIONAL_FILES if (path / n).is_file())
-    return SourceModel(
+    source = SourceModel(
         path=path,
         config=config,
         architecture=architecture,
@@ -103,6 +106,9 @@ def open_source(path: Path) -> SourceModel:
         copy_files=REQUIRED_FILES + optional,
         weight_files=weight_files,
     )
+    if shapes:
+        check_shapes(source)
+    return source
 
 
 def source_sha256(source: SourceModel) -> str:
@@ -216,11 +222,14 @@ def _index_tensors(
     return tuple(found[n] for n in sorted(found))
 
 
-def _check_shapes(path: Path, config: dict[str, Any], tensors: tuple[SourceTensor, ...]) -> None:
+def check_shapes(source: SourceModel) -> None:
     """Every tensor the config's architecture needs is there, in the shape it needs: the
-    architecture's `transformers` modules, built on the meta device (no memory), say which."""
+    architecture's `transformers` modules, built on the meta device (no memory), say which.
+    Raises SourceModelError."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    path, config, tensors = source.path, source.config, source.tensors
 
     try:
         hf_config = AutoConfig.from_pretrained(path)
