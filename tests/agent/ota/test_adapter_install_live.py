@@ -5,6 +5,7 @@ previous version. The adapters are real PEFT adapters of the tiny model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from deployer.agent.cli import http_adapter_control
 from deployer.agent.ota.adapter_install import AdapterInstaller
 from deployer.agent.ota.adapters import AdapterStore
 from deployer.agent.ota.store import DeviceStore
+from deployer.agent.settings import AgentSettings
 from deployer.build.adapter import AdapterBuild, AdapterBuildRequest, build_adapter
 from deployer.core.adapter_release import make_adapter_release
 from deployer.core.verify import TrustedKeys, key_id
@@ -50,6 +52,28 @@ def builds(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     return out
 
 
+def _installer(settings: AgentSettings, base_id: str) -> AdapterInstaller:
+    """An installer for the agent with `settings`, trusting KEY, for adapters of base `base_id`."""
+    return AdapterInstaller(
+        AdapterStore(DeviceStore(settings.root).base),
+        http_adapter_control(settings),
+        trusted=lambda: TrustedKeys({key_id(KEY.public_key()): KEY.public_key()}, 1),
+        base_artifact_id=lambda: base_id,
+    )
+
+
+def _asker(port: int) -> tuple[openai.OpenAI, Callable[[str], tuple[str, str]]]:
+    """The official openai client of the agent on `port`, and ask(model) -> (greedy text, the
+    model that answered) through it."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+    def ask(model: str) -> tuple[str, str]:
+        answer = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        return answer.choices[0].text, answer.model
+
+    return client, ask
+
+
 def _manifest(build: AdapterBuild, counter: int, path: Path) -> Path:
     body = make_adapter_release(build.artifact_dir, counter=counter, expires_in=timedelta(days=1))
     path.write_bytes(add_signature(envelope_for(body), KEY).to_bytes())
@@ -61,18 +85,8 @@ def test_install_hot_loads_and_smokes_each_version_and_rollback_restores_the_las
 ) -> None:
     agent = start_agent()
     settings = agent.settings
-    installer = AdapterInstaller(
-        AdapterStore(DeviceStore(settings.root).base),
-        http_adapter_control(settings),
-        trusted=lambda: TrustedKeys({key_id(KEY.public_key()): KEY.public_key()}, 1),
-        base_artifact_id=lambda: builds["1.0.0"].base_artifact_id,
-    )
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{agent.port}/v1", api_key="none", max_retries=0)
-
-    def ask(model: str) -> tuple[str, str]:
-        answer = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
-        return answer.choices[0].text, answer.model
-
+    installer = _installer(settings, builds["1.0.0"].base_artifact_id)
+    client, ask = _asker(agent.port)
     base_model = next(m.id for m in client.models.list())
     base_answer = ask(base_model)
     first = installer.install(
@@ -121,19 +135,9 @@ def test_an_install_to_a_llama_cpp_agent_hot_loads_and_another_bases_adapter_is_
     wide = make_tiny_checkpoint(tmp_path / "wide", hidden_size=96)
     wide_base = build_gguf(wide, tmp_path / "wide-store", scheme="fp32")
     other = build_gguf_adapter(wide, wide_base, tmp_path / "wide-store", name="extract", seed=5)
-    store = AdapterStore(DeviceStore(agent.settings.root).base)
-    installer = AdapterInstaller(
-        store,
-        http_adapter_control(agent.settings),
-        trusted=lambda: TrustedKeys({key_id(KEY.public_key()): KEY.public_key()}, 1),
-        base_artifact_id=lambda: base_id,
-    )
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{agent.port}/v1", api_key="none", max_retries=0)
-
-    def ask(model: str) -> tuple[str, str]:
-        answer = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
-        return answer.choices[0].text, answer.model
-
+    installer = _installer(agent.settings, base_id)
+    store = installer.adapters
+    client, ask = _asker(agent.port)
     base_model = next(m.id for m in client.models.list())
     base_answer = ask(base_model)
     body = make_adapter_release(summarise, counter=1, expires_in=timedelta(days=1))
