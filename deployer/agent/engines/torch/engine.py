@@ -46,7 +46,13 @@ from deployer.agent.engines.torch.compile import (
     prefill_chunk,
     prepare_decode,
 )
-from deployer.agent.engines.torch.loader import LoadedModel, load_draft, load_model, read_json
+from deployer.agent.engines.torch.loader import (
+    LoadedModel,
+    load_draft,
+    load_model,
+    read_json,
+    release_freed_heap,
+)
 from deployer.agent.engines.torch.lora import LoraBank
 from deployer.agent.engines.torch.model import KV_CACHE_TYPES, as_token_ids
 from deployer.agent.engines.torch.qlinear import KERNEL_LINEAR
@@ -368,6 +374,7 @@ class TorchEngine(Engine):
         """
         self._attached = None
         gc.collect()
+        release_freed_heap()  # an unload-first swap loads the next model into the memory freed
         if self._device.startswith("cuda"):
             torch.cuda.empty_cache()
 

@@ -9,6 +9,7 @@ which records the kernel each layer runs.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from collections.abc import Iterable
@@ -354,7 +355,21 @@ def build_model(
     storage, attention = kv_cache_layout(kv_cache_type, dev, compute)
     model.setup_caches(slots, min(max_context, args.max_position_embeddings), dev, storage, attention)
     model.eval()
+    release_freed_heap()
     return LoadedModel(model, args, facts, config, compute, dev, kernels, kernel_note)
+
+
+def release_freed_heap() -> None:
+    """Hand the memory of freed load transients back to the system: glibc keeps freed blocks
+    below its mmap threshold (which grows to 32 MiB as large blocks come and go) in its heap,
+    where they count in the RSS: 0.20 GB of Llama-3-8B int4's 5.33 GB (bench/scale_load.py).
+    Nothing where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def kv_cache_layout(kv_cache_type: str, dev: torch.device, compute: torch.dtype) -> tuple[str, torch.dtype]:
