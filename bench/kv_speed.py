@@ -5,10 +5,10 @@ positions, against fp32 in the same run.
 
 Models: SmolLM2-135M-Instruct int8 (the serving bench's artifact) and the Qwen2.5-1.5B shape at
 int4-g128 (random weights: bench/scale_load.py's artifact). Each model is loaded once and its
-caches are set up anew for each storage (Transformer.setup_caches), the storages taking turns
-through `--repeats` rounds; each figure is the best round's, because on a shared machine a slow
-round measures the neighbours. The cached positions hold zeros: a step's cost does not depend on
-their values.
+caches are set up anew for each storage (Transformer.setup_caches), the storages taking turns at
+each measurement, through `--repeats` rounds; each figure is the best round's, because on a
+shared machine a slow round measures the neighbours. The cached positions hold zeros: a step's
+cost does not depend on their values.
 
     PYTHONPATH=. python bench/kv_speed.py --repeats 5
 """
@@ -54,27 +54,28 @@ def measure(directory: Path, repeats: int) -> dict[tuple[str, str, int, int], fl
     best: dict[tuple[str, str, int, int], float] = {}
     with torch.inference_mode():
         for _ in range(repeats):
-            for kv in TYPES:
-                storage, attention = kv_cache_layout(kv, loaded.device, loaded.dtype)
-                model.setup_caches(max(BATCHES), context, loaded.device, storage, attention)
-                prompt = torch.randint(vocab, (1, PROMPT))
+            # The storages take turns at each measurement, so a busy neighbour slows all alike.
+            for batch, cached in [(1, PROMPT), *((b, c) for b in BATCHES for c in CACHED)]:
+                for kv in TYPES:
+                    storage, attention = kv_cache_layout(kv, loaded.device, loaded.dtype)
+                    model.setup_caches(max(BATCHES), context, loaded.device, storage, attention)
+                    if cached == PROMPT:
+                        prompt = torch.randint(vocab, (1, PROMPT))
 
-                def first(prompt: torch.Tensor = prompt) -> None:
-                    model.prefill(prompt, slot=0, start=0)
-                    model.decode(prompt[0, -1:], torch.tensor([PROMPT]), kv_len=PROMPT + 1)
+                        def first(prompt: torch.Tensor = prompt) -> None:
+                            model.prefill(prompt, slot=0, start=0)
+                            model.decode(prompt[0, -1:], torch.tensor([PROMPT]), kv_len=PROMPT + 1)
 
-                key = (kv, "first", 1, PROMPT)
-                best[key] = min(best.get(key, float("inf")), _best(first, 1))
-                for batch in BATCHES:
-                    for cached in CACHED:
+                        key, seconds = (kv, "first", 1, PROMPT), _best(first, 1)
+                    else:
                         tokens, pos = torch.randint(vocab, (batch,)), torch.full((batch,), cached)
 
                         def step(tokens: torch.Tensor = tokens, pos: torch.Tensor = pos) -> None:
                             model.decode(tokens, pos, kv_len=int(pos.max()) + 1)
 
                         step()  # the first step of a shape allocates
-                        key = (kv, "step", batch, cached)
-                        best[key] = min(best.get(key, float("inf")), _best(step, STEPS))
+                        key, seconds = (kv, "step", batch, cached), _best(step, STEPS)
+                    best[key] = min(best.get(key, float("inf")), seconds)
     return best
 
 
