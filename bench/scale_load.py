@@ -9,7 +9,8 @@ Llama-3-8B), two artifacts are built once without the quality gate into a store 
   (the weights are random: there is nothing for one to weigh), loaded by the llama.cpp engine and
   warmed up as the agent does before serving;
 
-each with `slots` sequences of `context` positions, in a fresh process per row
+each with `slots` sequences of `context` positions (the torch engine's KV cache stored as each of
+`--kv-cache-types`, agent.kv_cache_type: fp32 by default), in a fresh process per row
 (bench/load_child.py, which imports only the engine it loads) so each peak is its own:
 
 * steady: the process's RSS once the model is loaded (python and the engine's library included);
@@ -21,6 +22,7 @@ each with `slots` sequences of `context` positions, in a fresh process per row
 
     python -m bench.scale_load                # 1.5B and 3B rows, both engines
     python -m bench.scale_load --with-8b      # and Llama-3-8B (about 4.5 GB artifact, 16 GB source)
+    python -m bench.scale_load --shapes llama-3-8b --engines torch --kv-cache-types fp32 fp16 int8
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from deployer.config.models import AgentSettings, ModelSpec, Quantization
 STORE = cache_root() / "scale-artifacts" / "store"
 GB = 1e9
 ENGINES = ("torch", "llama.cpp")
+KV_TYPES = ("auto", "fp32", "fp16", "bf16", "int8")
 GGUF_TYPE = "Q4_K_M"
 
 
@@ -59,22 +62,32 @@ def artifact(shape: str, engine: str = "torch") -> Path:
     return build_artifact(request).artifact_dir
 
 
-def _measure(directory: Path, engine: str, slots: int, context: int, baseline: bool) -> dict[str, float]:
+def _measure(
+    directory: Path, engine: str, slots: int, context: int, baseline: bool, kv: str
+) -> dict[str, float]:
     argv = [sys.executable, "-m", "bench.load_child", str(directory), engine, str(slots), str(context)]
     argv += ["--baseline"] if baseline else []
+    argv += ["--kv-cache-type", kv]
     done = subprocess.run(argv, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def estimate(shape: str, engine: str, slots: int, context: int) -> int:
-    """Validate's estimate of one agent serving `shape` on `engine` (one copy: unload-first)."""
+def estimate(shape: str, engine: str, slots: int, context: int, kv: str = "auto") -> int:
+    """Validate's estimate of one agent serving `shape` on `engine` (one copy: unload-first) with
+    its KV cache stored as `kv`."""
     quantization = (
         Quantization(scheme="int4", group_size=128)
         if engine == "torch"
         else Quantization(gguf_type=GGUF_TYPE)
     )
     model = ModelSpec(name="bench", version="1.0.0", source=".", quantization=quantization)
-    agent = AgentSettings(engine=engine, max_concurrent=slots, max_tokens=context, swap_policy="unload-first")
+    agent = AgentSettings(
+        engine=engine,
+        max_concurrent=slots,
+        max_tokens=context,
+        swap_policy="unload-first",
+        kv_cache_type=kv,  # type: ignore[arg-type]  # argparse's choices are the Literal's
+    )
     return estimate_memory(ModelShape.from_config_json(checkpoint(shape) / "config.json"), model, agent).total
 
 
@@ -89,6 +102,13 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--no-baseline", action="store_true", help="skip the keep-every-page loads")
+    parser.add_argument(
+        "--kv-cache-types",
+        nargs="+",
+        choices=KV_TYPES,
+        default=["auto"],
+        help="the torch rows' KV cache storage (agent.kv_cache_type), a row each",
+    )
     args = parser.parse_args()
     shapes = args.shapes or ["qwen2.5-1.5b", "qwen2.5-3b"] + (["llama-3-8b"] if args.with_8b else [])
     engines = f"torch int4-g128, llama.cpp {GGUF_TYPE}"
@@ -96,6 +116,7 @@ def main() -> None:
     for column in (
         "shape",
         "engine",
+        "kv cache",
         "artifact GB",
         "steady GB",
         "peak GB",
@@ -108,32 +129,36 @@ def main() -> None:
         "estimate/peak",
     ):
         table.add_column(column, justify="left" if column == "shape" else "right")
-    for shape in shapes:
-        for engine in args.engines:
-            directory = artifact(shape, engine)
-            size = sum(p.stat().st_size for p in directory.iterdir() if p.suffix in (".safetensors", ".gguf"))
-            row = _measure(directory, engine, args.slots, args.context, baseline=False)
-            keep_pages = engine == "torch" and not args.no_baseline  # llama.cpp reads its weights
-            base = (
-                _measure(directory, engine, args.slots, args.context, baseline=True) if keep_pages else None
-            )
-            guess = estimate(shape, engine, args.slots, args.context)
-            record = {"shape": shape, "engine": engine, "artifact": size, "row": row, "baseline": base}
-            print(json.dumps(record | {"estimate": guess}), flush=True)
-            table.add_row(
-                shape,
-                engine,
-                f"{size / GB:.2f}",
-                f"{row['steady'] / GB:.2f}",
-                f"{row['peak'] / GB:.2f}",
-                f"{row['peak'] / row['steady']:.2f}",
-                f"{row['steady'] / size:.2f}",
-                f"{row['seconds']:.0f}",
-                "-" if base is None else f"{base['peak'] / GB:.2f}",
-                "-" if base is None else f"{base['peak'] / base['steady']:.2f}",
-                f"{guess / GB:.2f}",
-                f"{guess / row['peak']:.2f}",
-            )
+    rows = [
+        (shape, engine, kv)
+        for shape in shapes
+        for engine in args.engines
+        for kv in (args.kv_cache_types if engine == "torch" else ["auto"])  # llama.cpp: its fp16
+    ]
+    for shape, engine, kv in rows:
+        directory = artifact(shape, engine)
+        size = sum(p.stat().st_size for p in directory.iterdir() if p.suffix in (".safetensors", ".gguf"))
+        row = _measure(directory, engine, args.slots, args.context, False, kv)
+        keep_pages = engine == "torch" and not args.no_baseline  # llama.cpp reads its weights
+        base = _measure(directory, engine, args.slots, args.context, True, kv) if keep_pages else None
+        guess = estimate(shape, engine, args.slots, args.context, kv)
+        record = {"shape": shape, "engine": engine, "kv": kv, "artifact": size, "row": row}
+        print(json.dumps(record | {"baseline": base, "estimate": guess}), flush=True)
+        table.add_row(
+            shape,
+            engine,
+            ("fp32" if kv == "auto" else kv) if engine == "torch" else "fp16",
+            f"{size / GB:.2f}",
+            f"{row['steady'] / GB:.2f}",
+            f"{row['peak'] / GB:.2f}",
+            f"{row['peak'] / row['steady']:.2f}",
+            f"{row['steady'] / size:.2f}",
+            f"{row['seconds']:.0f}",
+            "-" if base is None else f"{base['peak'] / GB:.2f}",
+            "-" if base is None else f"{base['peak'] / base['steady']:.2f}",
+            f"{guess / GB:.2f}",
+            f"{guess / row['peak']:.2f}",
+        )
     Console(width=200).print(table)
 
 

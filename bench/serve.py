@@ -24,6 +24,11 @@ decode compiled (the agent is measured once its background compile is done): wit
 with agent.yaml's `draft: int4` (docs/torch-engine.md), so the table shows what speculation gives
 one client and what it costs the batched steps of 4 and 16 (none speculate).
 
+`--kv-cache` instead serves SmolLM2 (the int8 artifact) and the Qwen2.5-1.5B shape (random
+weights, int4-g128: bench/scale_load.py's artifact) through the torch agent, 2 threads, once per
+KV cache storage (agent.kv_cache_type fp32, fp16, int8), so the table shows what a narrower cache
+costs decode and the first token against fp32, in the same run.
+
 `--device cuda` serves random weights instead, in each shape of `--shapes` (SmolLM2-135M and a
 Qwen2.5-1.5B-like shape by default; bench/engine_gpu.py's builder, bf16), through the same agent
 with the torch engine on the GPU: CUDA graphs, 16 slots. The checkpoint gets SmolLM2's tokenizer
@@ -37,6 +42,7 @@ ends a stream early. Target (an H200): aggregate at 16 clients >= 8x single. `--
     PYTHONPATH=. python bench/serve.py --device cuda                     # GPU, random weights
     PYTHONPATH=. python bench/serve.py --device cpu --shapes tiny --requests 1   # its smoke run
     PYTHONPATH=. python bench/serve.py --draft                           # fp32, with and without a draft
+    PYTHONPATH=. python bench/serve.py --kv-cache --tokens 64 --requests 1   # KV cache storage
 """
 
 from __future__ import annotations
@@ -86,7 +92,13 @@ class Row:
 
 
 def child_agent(
-    engine: str, artifact_dir: Path, threads: int, device: str, compile_: str = "auto", draft: str = "off"
+    engine: str,
+    artifact_dir: Path,
+    threads: int,
+    device: str,
+    compile_: str = "auto",
+    draft: str = "off",
+    kv_cache_type: str = "auto",
 ) -> None:
     """An agent on 127.0.0.1 serving the artifact; prints its port (once a background compile
     is done), serves until stdin closes."""
@@ -104,6 +116,7 @@ def child_agent(
         context_length=CONTEXT,
         max_prompt_tokens=CONTEXT // 2,
         latency_budget_ms=120_000,  # a busy machine must not turn the bench into a load failure
+        readiness_timeout_s=1200.0,  # a 1.5B shape loads in minutes on a busy machine
     )
 
     serve_for_parent(
@@ -116,6 +129,7 @@ def child_agent(
             slots=settings.max_concurrent,
             compile=compile_,
             draft=draft,
+            kv_cache_type=kv_cache_type,
         ),
         artifact_dir,
         compile_,
@@ -217,9 +231,10 @@ def start_agent(
     threads: int = 1,
     compile_: str = "auto",
     draft: str = "off",
+    kv_cache_type: str = "auto",
 ) -> Server:
     args = [sys.executable, __file__, "--child-agent", engine, str(artifact_dir), str(threads), device]
-    args += [compile_, draft]
+    args += [compile_, draft, kv_cache_type]
     return Server(name or f"agent {engine}", args, "first line")
 
 
@@ -455,6 +470,48 @@ def serve_draft(requests: int, tokens: int) -> None:
         print(f"one client: the draft gives {drafted / plain:.2f}x the tokens/s of plain steps")
 
 
+def serve_kv_cache(requests: int, tokens: int) -> None:
+    """SmolLM2 int8 and the Qwen2.5-1.5B shape int4-g128 through the torch agent, once per KV
+    cache storage; each row against fp32 at the same client count."""
+    from bench.scale_load import artifact  # the shape's int4-g128 artifact
+
+    models = {
+        "SmolLM2-135M int8": artifacts("int8")[1],
+        "Qwen2.5-1.5B shape int4-g128": artifact("qwen2.5-1.5b"),
+    }
+    out = Table(title=f"torch agent, KV cache storage; {tokens} tokens per stream, greedy, 2 engine threads")
+    for column in ("model", "kv cache", "clients", "tokens", "tok/s", "vs fp32", "p50 TTFT ms", "vs fp32"):
+        out.add_column(column, justify="left" if column == "model" else "right")
+    for model, directory in models.items():
+        rows: dict[tuple[str, int], Row] = {}
+        for kv in ("fp32", "fp16", "int8"):
+            name = f"agent torch {model} {kv}"  # "agent": its health is /healthz
+            server = start_agent("torch", directory, "cpu", name, threads=2, kv_cache_type=kv)
+            try:
+                extra = server.first_model().get("extra", {})
+                print(f"{model}: kv_cache {extra.get('kv_cache')}", flush=True)
+                for clients in CLIENTS:
+                    rows[kv, clients] = row = measure(server, clients, requests, tokens)
+                    print(row, flush=True)
+            finally:
+                server.stop()
+        for (kv, clients), row in rows.items():
+            base = rows["fp32", clients]
+            out.add_row(
+                model,
+                kv,
+                str(clients),
+                str(row.tokens),
+                f"{row.aggregate_tok_s:.1f}",
+                f"{row.aggregate_tok_s / base.aggregate_tok_s:.2f}x",
+                f"{row.ttft_p50_ms:.0f}",
+                f"{row.ttft_p50_ms / base.ttft_p50_ms:.2f}x",
+            )
+    load = os.getloadavg()
+    Console(width=150).print(out)
+    print(f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at the end")
+
+
 def soak(gguf: Path, requests: int) -> None:
     """RSS of the llama.cpp agent after 100 and after `requests` short requests; the slope."""
     server = start_agent("llama.cpp", gguf)
@@ -516,11 +573,15 @@ def main() -> None:
         "--tokenizer", type=Path, help="with --device: tokenizer.json and tokenizer_config.json"
     )
     parser.add_argument("--draft", action="store_true", help="fp32 through the torch agent, with and without")
-    parser.add_argument("--child-agent", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache", action="store_true", help="the torch agent per KV cache storage")
+    parser.add_argument("--child-agent", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_agent:
-        engine, directory, threads, device, compile_, draft = args.child_agent
-        child_agent(engine, Path(directory), int(threads), device, compile_, draft)
+        engine, directory, threads, device, compile_, draft, kv = args.child_agent
+        child_agent(engine, Path(directory), int(threads), device, compile_, draft, kv)
+        return
+    if args.kv_cache:
+        serve_kv_cache(args.requests, args.tokens)
         return
     if args.draft:
         serve_draft(args.requests, args.tokens)

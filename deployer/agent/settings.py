@@ -13,6 +13,7 @@ a typo must not silently fall back to a default on a device nobody is watching. 
     device: auto             # cuda when torch sees a CUDA device, else cpu (default: cpu)
     compile: auto            # torch engine: on compiles decode on a CPU too (minutes at first load)
     draft: off               # torch engine on a CPU: int4 drafts a lone greedy sequence's tokens
+    kv_cache_type: auto      # torch engine: fp32 | fp16 | bf16 | int8 (CPU) KV cache; auto: fp32 on a CPU
     smoke_prompts:
       - prompt: "What is the capital of France?"
         expect: Paris
@@ -150,6 +151,11 @@ class AgentSettings(BaseModel):
         default="off",
         description="torch engine on a CPU: int4 decodes a lone greedy sequence speculatively, an "
         "int4 copy of the model (made at load) proposing tokens that one pass of the model checks",
+    )
+    kv_cache_type: Literal["auto", "fp32", "fp16", "bf16", "int8"] = Field(
+        default="auto",
+        description="torch engine: how the KV cache is stored (attention runs in fp32 on a CPU "
+        "whatever it is); auto: fp32 on a CPU, the model's dtype on CUDA; int8: CPU only",
     )
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; None: torch's")
     context_length: int = Field(default=2048, ge=16, description="cap on the engine's KV cache")

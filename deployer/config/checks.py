@@ -383,7 +383,7 @@ def _agent_findings(given: CheckInput) -> list[Finding]:
         )
     if agent.device == "cuda" and agent.engine != "llama.cpp":
         findings += _hidden_gpu_findings(given)
-    return findings + _draft_findings(given)
+    return findings + _draft_findings(given) + _kv_cache_findings(given)
 
 
 def _draft_findings(given: CheckInput) -> list[Finding]:
@@ -405,6 +405,28 @@ def _draft_findings(given: CheckInput) -> list[Finding]:
     if problem is None:
         return []
     return [given.positions.finding(("agent", "draft"), problem, "remove agent.draft, or set it to off")]
+
+
+def _kv_cache_findings(given: CheckInput) -> list[Finding]:
+    """agent.kv_cache_type where the engine cannot honour it: llama.cpp keeps its own fp16 cache
+    (the agent refuses another at load), and an int8 cache is the torch engine's on a CPU."""
+    agent = given.agent
+    if agent is None or agent.kv_cache_type == "auto":
+        return []
+    if agent.engine == "llama.cpp":
+        problem, hint = (
+            f"kv_cache_type {agent.kv_cache_type} is the torch engine's: llama.cpp keeps its fp16 "
+            "KV cache here (the agent refuses it at load)",
+            "remove agent.kv_cache_type, or use agent.engine: torch",
+        )
+    elif agent.kv_cache_type == "int8" and agent.device == "cuda":
+        problem, hint = (
+            "an int8 KV cache is for CPU devices: on CUDA the agent would keep the model's dtype",
+            "set agent.kv_cache_type to auto, fp16 or bf16, or agent.device to cpu",
+        )
+    else:
+        return []
+    return [given.positions.finding(("agent", "kv_cache_type"), problem, hint)]
 
 
 def _hidden_gpu_findings(given: CheckInput) -> list[Finding]:

@@ -105,7 +105,7 @@ def estimate_memory(
     """The memory a device needs for ``model`` served with ``agent``'s settings, with LoRA adapters
     of `adapter_bytes` in all loaded (the agent unloads the least recently used past its budget, so
     they count at most ADAPTER_BUDGET_MB)."""
-    kv_per_token = kv_bytes_per_position(shape, agent.engine)
+    kv_per_token = kv_bytes_per_position(shape, agent.engine, agent.kv_cache_type)
     kv_cache = kv_per_token * agent.max_tokens * agent.max_concurrent
     return MemoryEstimate(
         params=shape.params,

@@ -110,7 +110,8 @@ def model_fit_findings(
             f"{model.quantization.scheme} ({_breakdown(estimate)}), more than the "
             f"{format_bytes(limit)} of {what}",
             "choose a smaller quantization (int4, layered), lower agent.max_concurrent or "
-            "agent.max_tokens, "
+            "agent.max_tokens, store the torch engine's KV cache narrower (agent.kv_cache_type "
+            "fp16 or int8), "
             + ("ship fewer or lower-rank LoRA adapters, " if estimate.adapters else "")
             + "or allow more memory",
         )

@@ -752,6 +752,18 @@ class AgentSettings(_Model):
             "Not for CUDA or llama.cpp."
         ),
     ] = "off"
+    kv_cache_type: Annotated[
+        Literal["auto", "fp32", "fp16", "bf16", "int8"],
+        Field(
+            description="How the torch engine stores its KV cache (llama.cpp's --cache-type-k/-v): "
+            "fp32, fp16, bf16, or int8 (symmetric per position and head, an fp32 scale each, "
+            "roughly llama.cpp's q8_0; CPU only). On a CPU attention runs in fp32 whatever the "
+            "storage, converting the positions it reads: fp16 halves the cache, int8 quarters it "
+            "(Llama-3-8B, 4 x 2,048 positions: 2.15 GB at fp32), for a small cost in speed and, "
+            "for int8, in accuracy (see docs/torch-engine.md). auto: fp32 on a CPU, the model's "
+            "dtype on CUDA. Not for llama.cpp."
+        ),
+    ] = "auto"
     # Loopback by default; beyond it every route but /healthz and /readyz needs an API key.
     host: IPvAnyAddress = IPv4Address("127.0.0.1")
     api_keys: ApiKeys | None = None

@@ -149,11 +149,17 @@ def int4_bytes(group: int) -> float:
     return 0.5 + 3 / group
 
 
-def kv_bytes_per_position(shape: ModelShape, engine: str) -> int:
-    """K and V of one position of one sequence: fp16 in llama.cpp; fp32 in the torch engine on a
-    CPU, where its attention is fastest in fp32 (half that on CUDA, so this errs on the safe side)."""
-    value_bytes = 4 if engine == "torch" else 2
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * value_bytes
+def kv_bytes_per_position(shape: ModelShape, engine: str, kv_cache_type: str = "auto") -> int:
+    """K and V of one position of one sequence: fp16 in llama.cpp; in the torch engine as
+    agent.kv_cache_type stores them, auto being fp32 (on a CPU, where its attention is fastest in
+    fp32; half that on CUDA, so this errs on the safe side) and int8 a byte a value plus an fp32
+    scale per head."""
+    values = 2 * shape.layers * shape.kv_heads * shape.head_dim
+    if engine != "torch":
+        return values * 2
+    if kv_cache_type == "int8":
+        return values + 2 * shape.layers * shape.kv_heads * 4
+    return values * (2 if kv_cache_type in ("fp16", "bf16") else 4)
 
 
 def engine_bytes(shape: ModelShape, engine: str, kv_cache: int) -> int:

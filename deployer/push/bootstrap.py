@@ -118,6 +118,7 @@ def agent_settings(config: Config, site: DeviceSite) -> str:
         "compile": config.agent.compile,
         # Only when on: every agent.yaml written before it existed stays the same text (no restart).
         **({"draft": config.agent.draft} if config.agent.draft != "off" else {}),
+        **({"kv_cache_type": config.agent.kv_cache_type} if config.agent.kv_cache_type != "auto" else {}),
         "max_concurrent": config.agent.max_concurrent,
         "queue_length": config.agent.queue_length,
         "max_tokens": config.agent.max_tokens,

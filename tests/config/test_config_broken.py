@@ -119,6 +119,21 @@ CASES = [
         (22, 10, "agent.draft", "the int4 draft is for CPU devices"),
     ),
     (
+        "unknown-kv-cache-type",
+        {"append": "agent:\n  kv_cache_type: q4_0\n"},
+        (21, 18, "agent.kv_cache_type", "unknown value 'q4_0'; expected 'auto', 'fp32', 'fp16', 'bf16' or"),
+    ),
+    (
+        "kv-cache-type-on-llama-cpp",
+        {"append": "agent:\n  engine: llama.cpp\n  kv_cache_type: int8\n"},
+        (22, 18, "agent.kv_cache_type", "kv_cache_type int8 is the torch engine's"),
+    ),
+    (
+        "int8-kv-cache-on-cuda",
+        {"append": "agent:\n  device: cuda\n  kv_cache_type: int8\n"},
+        (22, 18, "agent.kv_cache_type", "an int8 KV cache is for CPU devices"),
+    ),
+    (
         "draft-of-int4",
         {
             "replace": (("  version: 1.0.0", "  version: 1.0.0\n  quantization: {scheme: int4}"),),
@@ -400,6 +415,22 @@ def test_executable_hook_passes(write_config, tmp_path):
     path = write_config(append="hooks:\n  pre-deploy: hook.sh\n")
     assert _errors(validate_file(path, environ={})) == []
     assert load_config(path, environ={}).hooks.pre_deploy.path == "hook.sh"
+
+
+def test_the_memory_estimate_counts_the_kv_cache_type(write_config):
+    from deployer.config.estimate import SMOLLM2_SHAPE, estimate_memory
+
+    def cache(kv_cache_type):
+        config = load_config(write_config(append=f"agent:\n  kv_cache_type: {kv_cache_type}\n"), environ={})
+        return estimate_memory(SMOLLM2_SHAPE, config.model, config.agent)
+
+    # SmolLM2: 30 layers x 3 kv heads x 64 values, K and V, of 4 sequences of 512 positions.
+    values = 2 * 30 * 3 * 64 * 4 * 512
+    assert cache("auto").kv_cache == cache("fp32").kv_cache == values * 4
+    assert cache("fp16").kv_cache == cache("bf16").kv_cache == values * 2
+    # int8: a byte a value and an fp32 scale per position and head.
+    assert cache("int8").kv_cache == values + 2 * 30 * 3 * 4 * 4 * 512
+    assert cache("int8").total < cache("fp16").total < cache("fp32").total
 
 
 def test_the_memory_estimate_counts_the_draft(write_config):

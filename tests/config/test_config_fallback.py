@@ -141,3 +141,15 @@ def test_the_draft_reaches_the_agent_only_when_on(write_config):
         text = agent_settings(config, DeviceSite.of(config, config.fleet.devices[0]))
         assert yaml.safe_load(text).get("draft") == want  # an agent.yaml without it stays as it was
         assert AgentSettings(**yaml.safe_load(text)).draft == (want or "off")  # what the agent reads
+
+
+def test_the_kv_cache_type_reaches_the_agent_only_when_set(write_config):
+    from deployer.agent.settings import AgentSettings
+
+    for agent, want in (("", None), ("agent:\n  kv_cache_type: int8\n", "int8")):
+        path = write_config(agent)
+        assert _findings(path, {}) == []
+        config = load_config(path, {})
+        text = agent_settings(config, DeviceSite.of(config, config.fleet.devices[0]))
+        assert yaml.safe_load(text).get("kv_cache_type") == want  # an agent.yaml without it stays
+        assert AgentSettings(**yaml.safe_load(text)).kv_cache_type == (want or "auto")

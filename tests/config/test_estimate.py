@@ -65,6 +65,17 @@ def test_an_8b_int4_model_with_4_slots_of_2048_is_about_its_measured_size() -> N
     assert llama_cpp.engine == 128 * 2**20
 
 
+def test_an_8b_int4_model_with_an_int8_kv_cache_fits_its_measured_peak() -> None:
+    model = ModelSpec(name="m", version="1.0.0", source=".", quantization=Quantization(scheme="int4"))
+    agent = AgentSettings(max_concurrent=4, max_tokens=2048, kv_cache_type="int8")
+    estimate = estimate_memory(LLAMA3_8B, model, agent)
+    # A byte a value and an fp32 scale per position and head: 0.55 GB for 4 x 2,048 positions.
+    assert estimate.kv_cache == 2 * 32 * 8 * (128 + 4) * 2048 * 4
+    # bench/scale_load.py measured a 5.35 GB peak (5.13 GB steady): the estimate stays above it,
+    # by the load transients of the fused gate and up projection it counts beyond so small a cache.
+    assert 5.35e9 < estimate.total < 5.35e9 * 1.15
+
+
 def test_the_torch_loads_transients_count_where_the_kv_cache_does_not_cover_them() -> None:
     transients = 8 * 4096 * 28672
     kv_per_position = 2 * 32 * 8 * 128 * 4

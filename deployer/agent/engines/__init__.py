@@ -19,6 +19,7 @@ def make_engine(
     slots: int | None = None,
     compile: str = "auto",
     draft: str = "off",
+    kv_cache_type: str = "auto",
 ) -> Engine:
     """A new, unloaded engine of the named kind ("torch" or "llama.cpp"); `slots` is how many
     sequences its batched step runs together (agent.yaml's max_concurrent; None: the engine's
@@ -26,6 +27,8 @@ def make_engine(
     device, else the CPU; llama.cpp: the CPU). `compile` is the torch engine's "auto", "on" or
     "off" (see TorchEngine); llama.cpp has nothing to compile and refuses "on". `draft` is the
     torch engine's speculative decoding on a CPU ("off" or "int4"); llama.cpp refuses it.
+    `kv_cache_type` is how the torch engine stores its KV cache ("auto", "fp32", "fp16", "bf16",
+    "int8": see TorchEngine); llama.cpp keeps its own fp16 cache and refuses any but "auto".
 
     Raises AgentError for an unknown name or an engine whose optional dependency is missing.
     """
@@ -43,6 +46,7 @@ def make_engine(
             compile=compile,
             background_compile=True,
             draft=draft,
+            kv_cache_type=kv_cache_type,
         )
     if name == "llama.cpp":
         if device not in ("cpu", "auto"):
@@ -59,6 +63,11 @@ def make_engine(
             raise AgentError(
                 f"the llama.cpp engine here has no draft model: draft: {draft} is the torch engine's",
                 hint="set `draft: off` (or leave it out), or use `engine: torch`",
+            )
+        if kv_cache_type != "auto":
+            raise AgentError(
+                f"kv_cache_type {kv_cache_type} is the torch engine's: llama.cpp keeps its fp16 cache here",
+                hint="set `kv_cache_type: auto` (or leave it out), or use `engine: torch`",
             )
         from deployer.agent.engines.llamacpp.engine import LlamaCppEngine
 

@@ -292,7 +292,8 @@ class AgentServer:
 
 def engine_factory_for(settings: AgentSettings) -> Callable[[], Engine]:
     """What `run_server` makes each model's engine with: the engine agent.yaml names, on its
-    device, with its compile and draft settings, threads, context length and slots (max_concurrent)."""
+    device, with its compile, draft and KV cache settings, threads, context length and slots
+    (max_concurrent)."""
 
     def factory() -> Engine:
         # Imported here: the engines pull in torch, which `serve` imports only when it loads.
@@ -306,6 +307,7 @@ def engine_factory_for(settings: AgentSettings) -> Callable[[], Engine]:
             slots=settings.max_concurrent,
             compile=settings.compile,
             draft=settings.draft,
+            kv_cache_type=settings.kv_cache_type,
         )
 
     return factory

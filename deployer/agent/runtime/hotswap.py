@@ -511,7 +511,7 @@ def load_need_bytes(artifact_dir: Path, settings: AgentSettings) -> int | None:
     if settings.engine == "torch" and settings.device != "cuda" and integer:
         table = modules.get("model.embed_tokens") or modules.get("lm_head")
         weights += torch_cpu_tables_delta(shape, FLOAT_BYTES.get(table.scheme if table else "fp16", 2.0))
-    kv_per_position = kv_bytes_per_position(shape, settings.engine)
+    kv_per_position = kv_bytes_per_position(shape, settings.engine, settings.kv_cache_type)
     kv_cache = kv_per_position * settings.context_length * settings.max_concurrent
     draft = draft_bytes(shape, kv_per_position * settings.context_length) if settings.draft != "off" else 0
     return weights + kv_cache + draft + engine_bytes(shape, settings.engine, kv_cache)

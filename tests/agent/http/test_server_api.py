@@ -119,7 +119,7 @@ def test_models_lists_active_then_previous(agent, client, tiny_model_dir_b):
         "sits.fp32_linear (ours, AVX2)",
     }
     # The engine's own facts come along: on a CPU the KV cache is fp32 and compile stays off.
-    assert (only.extra["kv_cache"], only.extra["compile"]) == ("float32", "off")
+    assert (only.extra["kv_cache"], only.extra["compile"]) == ("fp32", "off")
     assert only.extra == agent.manager.active_info().extra
     assert agent.reload(tiny_model_dir_b, "v2").ok
     active, previous = client.models.list().data

@@ -46,9 +46,15 @@ from deployer.agent.engines.torch.compile import (
     prefill_chunk,
     prepare_decode,
 )
-from deployer.agent.engines.torch.loader import LoadedModel, load_draft, load_model, read_json
+from deployer.agent.engines.torch.loader import (
+    LoadedModel,
+    load_draft,
+    load_model,
+    read_json,
+    release_freed_heap,
+)
 from deployer.agent.engines.torch.lora import LoraBank
-from deployer.agent.engines.torch.model import as_token_ids
+from deployer.agent.engines.torch.model import KV_CACHE_TYPES, as_token_ids
 from deployer.agent.engines.torch.qlinear import KERNEL_LINEAR
 from deployer.agent.engines.torch.sampling import Sampler, choose, new_generator
 from deployer.agent.engines.torch.speculative import DRAFT_TOKENS, Drafter, accepted_run
@@ -180,6 +186,7 @@ class TorchEngine(Engine):
         quantize_head: bool | None = None,
         background_compile: bool = False,
         draft: str = "off",
+        kv_cache_type: str = "auto",
     ) -> None:
         """`device` is "cpu", "cuda" (or "cuda:N") or "auto": CUDA when torch sees a CUDA device,
         else the CPU (`choose_device`; `extra["device_choice"]` in `describe()` says which and why).
@@ -201,6 +208,11 @@ class TorchEngine(Engine):
         `draft` "int4" decodes a lone greedy sequence speculatively (engines/torch/speculative.py): an
         int4 copy of the model made at load proposes up to DRAFT_TOKENS tokens, and one pass of the
         model checks them all. CPU only; "off" (the default) decodes one token a step.
+
+        `kv_cache_type` stores the KV cache as "fp32", "fp16", "bf16" or "int8" (per position and
+        head, CPU only: on CUDA, where device auto may land, the cache is then the model's dtype
+        and describe() says why); "auto" is fp32 on a CPU, the model's dtype on CUDA. On a CPU
+        attention runs in fp32 whatever the storage (see model.KVCache).
         """
         device, self._device_choice = choose_device(device)
         if compile not in ("auto", "on", "off"):
@@ -221,6 +233,15 @@ class TorchEngine(Engine):
             self._draft_scheme = "off"
             why = f"{draft} asked for: the draft is for CPU devices, this model runs on {device}"
             self._draft_off = f"off ({why})"
+        if kv_cache_type not in ("auto", *KV_CACHE_TYPES):
+            raise AgentError(
+                f"kv_cache_type must be auto or one of {', '.join(KV_CACHE_TYPES)}, not {kv_cache_type!r}"
+            )
+        self._kv_cache_type, self._kv_note = kv_cache_type, ""
+        if kv_cache_type == "int8" and kind == "cuda":
+            self._kv_cache_type = "auto"
+            why = f"int8 asked for: an int8 cache is for CPU devices, this model runs on {device}"
+            self._kv_note = f" ({why})"
         self._want_compile = compile == "on" or (compile == "auto" and kind == "cuda")
         self._want_graphs = cuda_graphs and kind == "cuda"
         self._background = background_compile and kind == "cpu" and self._want_compile
@@ -245,6 +266,7 @@ class TorchEngine(Engine):
             max_context=self._max_context,
             slots=self._slots,
             quantize_head=self._quantize_head,
+            kv_cache_type=self._kv_cache_type,
         )
         codec = TextCodec.from_dir(artifact_dir)
         tok_config = read_tokenizer_config(artifact_dir)
@@ -302,7 +324,12 @@ class TorchEngine(Engine):
         """(the draft model of speculative decoding, None where the model cannot have one: it is
         stored in int4; why there is none, "" when there is one) for describe() and the journal."""
         try:
-            draft = load_draft(artifact_dir, device=self._device, max_context=self._max_context)
+            draft = load_draft(
+                artifact_dir,
+                device=self._device,
+                max_context=self._max_context,
+                kv_cache_type=self._kv_cache_type,
+            )
         except AgentError as exc:
             _log.warning("%s: no draft model: %s", artifact_dir.name, exc.message)
             return None, f"off ({exc.message})"
@@ -347,6 +374,7 @@ class TorchEngine(Engine):
         """
         self._attached = None
         gc.collect()
+        release_freed_heap()  # an unload-first swap loads the next model into the memory freed
         if self._device.startswith("cuda"):
             torch.cuda.empty_cache()
 
@@ -729,7 +757,7 @@ class TorchEngine(Engine):
                 "kernel_choice": loaded.kernel_note,
                 # Why our CPU kernels are not used here (x86-only code on an Arm board), or "ours".
                 "cpu_kernels": (native.cpu_kernels()[1] or "ours") if loaded.device.type == "cpu" else "-",
-                "kv_cache": str(loaded.model.kv_dtype).removeprefix("torch."),
+                "kv_cache": loaded.model.kv_storage + self._kv_note,
                 "architecture": loaded.args.architecture,
                 "slots": str(self._slots),
                 "decode": decode.graph_note,

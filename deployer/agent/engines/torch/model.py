@@ -162,23 +162,77 @@ class RMSNorm(nn.Module):
         return exact_ops.torch_add_rms_norm(x, delta, self.weight, self.eps)
 
 
+KV_CACHE_TYPES = ("fp32", "fp16", "bf16", "int8")
+_FLOAT_STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+CacheIndex = tuple[int | slice | torch.Tensor, ...]
+
+
 class KVCache(nn.Module):
     """Preallocated keys and values: `slots` sequences of `max_len` positions, plus one scratch
     position (index `max_len`) where rows that take no part in a decode step write harmlessly.
 
-    Attention runs in the cache's dtype, which may differ from the model's: on a CPU the cache is
-    fp32 even for a bf16 model, because torch's CPU attention in bf16 was 5-10x slower than in
-    fp32 (83 vs 16 us for one query over 101 keys, 1.6 vs 0.18 ms over 2,048; SmolLM2's heads).
+    Stored as `storage` ("fp32", "fp16", "bf16" or "int8": symmetric per position and head, with
+    an fp32 absmax scale each, as llama.cpp's q8_0 roughly), read back in `compute` (the dtype
+    attention runs in), only the positions a step attends. On a CPU `compute` is fp32 even for a
+    bf16 model, because torch's CPU attention in bf16 was 5-10x slower than in fp32 (83 vs 16 us
+    for one query over 101 keys, 1.6 vs 0.18 ms over 2,048; SmolLM2's heads); a 16-bit or int8
+    cache then halves or quarters the cache's memory for a conversion of the keys read.
     """
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
 
-    def __init__(self, slots: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        slots: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        storage: str,
+        compute: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
+        if storage not in KV_CACHE_TYPES:
+            raise AgentError(
+                f"unknown KV cache type {storage!r}", hint=f"use one of {', '.join(KV_CACHE_TYPES)}"
+            )
+        self.storage, self.compute = storage, compute
         shape = (slots, n_kv_heads, max_len + 1, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+        dtype = torch.int8 if storage == "int8" else _FLOAT_STORAGE[storage]
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        scales = (slots, n_kv_heads, max_len + 1, 1)
+        for name in ("k_scale", "v_scale"):
+            scale = torch.zeros(scales, dtype=torch.float32, device=device) if storage == "int8" else None
+            self.register_buffer(name, scale, persistent=False)
+
+    def write(self, index: CacheIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys `k` and values `v` at `index` (a subscript of the cache's [slot, head,
+        position, dim] that leaves the last dimension whole)."""
+        for stored, scale, value in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if scale is None:
+                stored[index] = value.to(stored.dtype)
+            else:
+                step = value.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-30) / 127
+                stored[index] = torch.round(value / step).to(torch.int8)
+                scale[index] = step
+
+    def read(self, index: CacheIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `index`, in the compute dtype (a view where they are stored in it)."""
+        if self.k_scale is None or self.v_scale is None:
+            return self.k[index].to(self.compute), self.v[index].to(self.compute)
+        # int8 times fp32: one kernel that converts and scales (type promotion), no int8 copy.
+        return self.k[index] * self.k_scale[index], self.v[index] * self.v_scale[index]
+
+    def copy_prefix(self, source: int, dest: int, length: int) -> None:
+        """Copy positions 0..length-1 of slot `source` into slot `dest` (scales too)."""
+        for tensor in (self.k, self.v, self.k_scale, self.v_scale):
+            if tensor is not None:
+                tensor[dest, :, :length] = tensor[source, :, :length]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -245,19 +299,17 @@ class Attention(nn.Module):
         """
         _, t, _ = x.shape
         cache = self.require_cache()
-        q, k, v = self._rotated_qkv(x, cos, sin, cache.k.dtype)
+        q, k, v = self._rotated_qkv(x, cos, sin, cache.compute)
         if slot is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim).to(x.dtype))
         if isinstance(slot, int) and isinstance(at, int):
             end = at + t
-            cache.k[slot : slot + 1, :, at:end] = k
-            cache.v[slot : slot + 1, :, at:end] = v
-            keys, values = cache.k[slot : slot + 1, :, :end], cache.v[slot : slot + 1, :, :end]
+            cache.write((slice(slot, slot + 1), slice(None), slice(at, end)), k, v)
+            keys, values = cache.read((slice(slot, slot + 1), slice(None), slice(None, end)))
         elif isinstance(slot, torch.Tensor) and isinstance(at, torch.Tensor):
-            cache.k[slot, :, at] = k[0].transpose(0, 1)
-            cache.v[slot, :, at] = v[0].transpose(0, 1)
-            keys, values = cache.k.index_select(0, slot), cache.v.index_select(0, slot)
+            cache.write((slot, slice(None), at), k[0].transpose(0, 1), v[0].transpose(0, 1))
+            keys, values = cache.read((slot,))
         else:
             raise TypeError("slot and at are both ints or both tensors")
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
@@ -287,12 +339,11 @@ class Attention(nn.Module):
         """
         b = x.shape[0]
         cache = self.require_cache()
-        q, k, v = self._rotated_qkv(x, cos, sin, cache.k.dtype)
-        cache.k[rows, :, pos] = k[:, :, 0]
-        cache.v[rows, :, pos] = v[:, :, 0]
-        keys, values = cache.k[:b], cache.v[:b]
+        q, k, v = self._rotated_qkv(x, cos, sin, cache.compute)
+        cache.write((rows, slice(None), pos), k[:, :, 0], v[:, :, 0])
+        # Only the positions attended are read (converted, where the cache is stored narrower).
+        keys, values = cache.read((slice(None, b), slice(None), slice(None, kv_len)))
         if kv_len is not None:
-            keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         elif mask is None:
             raise TypeError("a step over the whole cache needs its mask (Transformer.decode makes it)")
@@ -423,26 +474,20 @@ class Transformer(nn.Module):
         self.slots = 0
 
     def setup_caches(
-        self,
-        slots: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        kv_dtype: torch.dtype | None = None,
+        self, slots: int, max_len: int, device: torch.device, storage: str, compute: torch.dtype
     ) -> None:
-        """Allocate the KV caches (`slots` x `max_len` positions, in `kv_dtype`, default `dtype`)
-        and the rotary tables (in the same dtype: q and k turn in the cache's dtype)."""
+        """Allocate the KV caches (`slots` x `max_len` positions, stored as `storage`, attended in
+        `compute`: see KVCache) and the rotary tables (in `compute`: q and k turn in it)."""
         self.max_len, self.slots = max_len, slots
         a = self.args
-        kv_dtype = kv_dtype or dtype
         for layer in self._layers():
-            cache = KVCache(slots, a.n_kv_heads, max_len, a.head_dim, kv_dtype).to(device)
+            cache = KVCache(slots, a.n_kv_heads, max_len, a.head_dim, storage, compute, device)
             layer.self_attn.kv_cache = cache
         cos, sin = rope_tables(a.head_dim, a.rope_theta, max_len + 1, device, a.rope_scaling)
         half = a.head_dim // 2
         sin[:, :half] = -sin[:, :half]  # see _rope
-        self.register_buffer("rope_cos", cos.to(kv_dtype), persistent=False)
-        self.register_buffer("rope_signed_sin", sin.to(kv_dtype), persistent=False)
+        self.register_buffer("rope_cos", cos.to(compute), persistent=False)
+        self.register_buffer("rope_signed_sin", sin.to(compute), persistent=False)
         self.register_buffer("key_positions", torch.arange(max_len + 1, device=device), persistent=False)
         self.register_buffer("rows", torch.arange(slots, device=device), persistent=False)
 
@@ -458,8 +503,13 @@ class Transformer(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype, which attention runs in (see KVCache)."""
+        """The dtype attention runs in (see KVCache)."""
         return self.rope_cos.dtype
+
+    @property
+    def kv_storage(self) -> str:
+        """How the KV cache is stored: fp32, fp16, bf16 or int8 (see KVCache)."""
+        return self._layers()[0].self_attn.require_cache().storage
 
     @property
     def scratch_position(self) -> int:
@@ -480,9 +530,7 @@ class Transformer(nn.Module):
         """Copy cache positions 0..length-1 of slot `source` into slot `dest`, in every layer: a
         prompt that starts with what another slot holds skips that part of its prefill."""
         for layer in self._layers():
-            cache = layer.self_attn.require_cache()
-            cache.k[dest, :, :length] = cache.k[source, :, :length]
-            cache.v[dest, :, :length] = cache.v[source, :, :length]
+            layer.self_attn.require_cache().copy_prefix(source, dest, length)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """The last hidden states [1, T, D] (after the final norm) of tokens [1, T] run from position

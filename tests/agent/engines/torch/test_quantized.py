@@ -106,7 +106,7 @@ def test_quantized_models_run_an_int8_head_on_a_cpu(tiny_model_dir, build, engin
 def test_a_bf16_model_attends_in_fp32_on_a_cpu(tiny_model_dir, tiny_engine, engine_on):
     engine = engine_on(tiny_model_dir, dtype="bf16")
     extra = engine.describe().extra
-    assert (extra["dtype"], extra["kv_cache"]) == ("bfloat16", "float32")
+    assert (extra["dtype"], extra["kv_cache"]) == ("bfloat16", "fp32")
     ids = engine.encode(PROMPT)
     got = engine.logits(ids)
     assert got.dtype == torch.float32
