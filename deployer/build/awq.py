@@ -12,44 +12,58 @@ runs the same kernels at the same speed on a model whose float function is uncha
   where every query head has its own kv head: under GQA one v channel feeds several heads'
   o_proj columns, which would need one shared scale; AutoAWQ skips that case too.
 
-Per group, s = mean|x|^alpha over the calibration tokens (normalised so max*min = 1), with alpha
-on a grid of 10 from 0 (no scaling) to 0.9, keeping the one whose quantized linears' outputs are
-closest (squared error) to the float ones. We write our own rather than use AutoAWQ or
-llm-compressor: both emit their own packed formats and kernels (GEMM/GEMV layouts, CUDA-only
-paths), while this only has to hand scaled float weights to our quantizer and artifact format.
-AWQ's weight-clipping search is not done (clipping lowered weight error but raised perplexity on
-SmolLM2 in an earlier trial, see quant_layout.quantize_int4).
+Per group, s = mean|x|^alpha / mean|w~|^(1-alpha) (AutoAWQ's grid; w~ is |w| over its
+quantization group's max), normalised so max*min = 1, with alpha on a grid of 10 from 0 (no
+scaling) to 0.9, keeping the one whose quantized linears give the output of the module they make
+up (attention for q/k/v, the MLP for gate/up, the linear itself for o/down) closest (squared
+error) to the float one. Then AWQ's weight clipping: per output channel and group, the bound on
+|w| (max|w| down to 0.55 of it) whose clamped, quantized weights give that group's share of the
+output closest to the float one; the scaled weights are clamped before quantization.
+We write our own rather than use AutoAWQ or llm-compressor: both emit their own packed formats
+and kernels (GEMM/GEMV layouts, CUDA-only paths), while this only has to hand scaled float
+weights to our quantizer and artifact format.
 
-The calibration forward runs in float64 so the per-channel statistics, and with them the folded
-weights, do not depend on thread scheduling; the alpha search itself runs in float32.
+The calibration pass streams: one decoder layer's weights (fp32) at a time, the activations
+between layers kept, so peak memory is bounded by the largest layer, not the model. Per-channel
+statistics are summed in float64; the forward and the searches run in float32, deterministic
+for a given thread count (the build test builds twice and compares the artifact ids).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.func import functional_call
 
 from deployer.build import quality
 from deployer.build.quantize import module_scheme
-from deployer.build.source import SourceModel
+from deployer.build.source import SourceModel, read_rows
 from deployer.build.spec import AwqSpec, QuantSpec
 from deployer.core.calibration import DEFAULT_CALIBRATION, MIN_WORDS, text_problem
 from deployer.core.hashing import sha256_bytes
-from deployer.core.quant_layout import dequantize_int8, fake_quantize_int4, quantize_int8
+from deployer.core.quant_layout import ROW_CHUNK, dequantize_int8, fake_quantize_int4, quantize_int8
 from deployer.errors import BuildError
 
 FIELD = "model.quantization.calibration"
-# Calibration tokens read (one sequence, capped by the model's context): enough for stable
-# per-channel means on small models, and a forward pass of a few seconds on 2 cores.
+# Calibration tokens read (capped by the model's context), as sequences of SEQUENCE_TOKENS:
+# enough for stable per-channel means on small models, and a forward pass of a few seconds on
+# 2 cores. The scale search scores its candidates on the first sequence.
 CALIBRATION_TOKENS = 1024
-# Rows of activations the alpha search scores each candidate on (every k-th token), and the
-# candidates: each costs a quantization and a matmul per linear, and the search has to fit the
-# build's time budget (SmolLM2 in under 2 minutes on 2 cores).
-SEARCH_ROWS = 128
+SEQUENCE_TOKENS = 256
+# AutoAWQ's grid of the scale exponent alpha (0: no scaling).
 ALPHAS = tuple(i / 10 for i in range(10))
+# The clipping search: calibration rows it scores on, and the bounds it tries as fractions of a
+# group's max |w| (AutoAWQ's: 1.0 down to 0.55 by 0.05). q/k_proj are not clipped: their errors
+# reach the output through the product of queries and keys, which a per-linear error misjudges
+# (AutoAWQ skips them too).
+CLIP_ROWS = 128
+CLIP_RATIOS = tuple(1 - i / 20 for i in range(10))
+UNCLIPPED = ("q_proj", "k_proj")
 # Floor of a channel's scale before normalising: a channel that is never active gets a tiny
 # weight scale-up, not an infinite one.
 MIN_SCALE = 1e-4
@@ -66,23 +80,27 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Folds:
-    """Scales folded into source tensors: `columns[name]` multiplies a weight's columns,
-    `rows[name]` divides its rows (a 1-D tensor's entries). `tokens`: calibration tokens used."""
+    """What the search changes in source tensors before quantization: `columns[name]` multiplies
+    a weight's columns, `rows[name]` divides its rows (a 1-D tensor's entries), then `clips[name]`
+    = (bounds [out, groups], group size) clamps the scaled weight. `tokens`: calibration tokens."""
 
     columns: dict[str, torch.Tensor]
     rows: dict[str, torch.Tensor]
     tokens: int
+    clips: dict[str, tuple[torch.Tensor, int]]
 
     def apply(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The source tensor `name` with its folds applied (fp32), or unchanged when it has none."""
-        columns, rows = self.columns.get(name), self.rows.get(name)
-        if columns is None and rows is None:
+        columns, rows, clip = self.columns.get(name), self.rows.get(name), self.clips.get(name)
+        if columns is None and rows is None and clip is None:
             return tensor
         out = tensor.float()
         if columns is not None:
             out = out * columns
         if rows is not None:
             out = out / (rows if out.dim() == 1 else rows[:, None])
+        if clip is not None:
+            out = clamp_groups(out, *clip)
         return out
 
 
@@ -119,70 +137,253 @@ def read_calibration(spec: AwqSpec) -> Calibration:
 def search_folds(
     source: SourceModel, spec: QuantSpec, calibration: Calibration, log: Callable[[str], None]
 ) -> Folds:
-    """Search AWQ scales for `source` quantized per `spec`, on `calibration`'s text."""
-    found = groups(source)
+    """Search AWQ scales, then weight clipping, for `source` quantized per `spec`, on
+    `calibration`'s text, one decoder layer at a time."""
+    layers = layer_groups(source)
     limit = min(CALIBRATION_TOKENS, int(source.config.get("max_position_embeddings", CALIBRATION_TOKENS)))
     ids = quality.encode(source, calibration.text)[:limit]
-    log(f"awq: searching scales for {len(found)} groups of linears on {len(ids)} calibration tokens")
-    model = quality.load_model(source).to(torch.float64)
-    decoder: torch.nn.Module = model.get_decoder()  # type: ignore[operator]  # the head is not needed
-    modules = dict(model.named_modules())
+    sequence = min(SEQUENCE_TOKENS, len(ids))
+    ids = ids[: len(ids) // sequence * sequence]
+    count = sum(len(layer) for layer in layers)
+    log(f"awq: searching scales and clipping for {count} groups of linears on {len(ids)} calibration tokens")
+    stream = LayerStream(source, torch.tensor(ids).reshape(-1, sequence))
     scales: dict[Group, torch.Tensor] = {}
-
-    def searcher(group: Group) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], None]:
-        def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1])
-            weights = {name: modules[name].weight.float() for name in group.linears}
-            scale = _search(x, weights, {name: module_scheme(spec, name) for name in group.linears})
+    clips: dict[str, tuple[torch.Tensor, int]] = {}
+    for index, found in enumerate(layers):
+        layer = stream.advance(index, [g.linears[0] for g in found])
+        for group in found:
+            scale = _search(layer, group, {name: module_scheme(spec, name) for name in group.linears})
             if scale is not None:
                 scales[group] = scale
+        folds = fold({g: s for g, s in scales.items() if g in found}, 0)
+        for group in found:
+            for name in group.linears:
+                scheme, size = module_scheme(spec, name)
+                if scheme != "int4" or name.rsplit(".", 1)[1] in UNCLIPPED:
+                    continue
+                weight = folds.apply(f"{name}.weight", layer.weight(name))
+                x = layer.inputs[group.linears[0]] / folds.columns.get(f"{name}.weight", 1.0)
+                clips[f"{name}.weight"] = (clip_bounds(x, weight, size), size)
+    return fold(scales, len(ids), clips)
+
+
+class LayerStream:
+    """The calibration forward pass one decoder layer at a time: one layer's weights (fp32) are
+    in memory at once, with the hidden states between layers, so the peak is bounded by the
+    largest layer, not the model. Each layer runs in a one-layer model of the source's own
+    architecture (transformers builds the rotary embedding and the causal mask)."""
+
+    def __init__(self, source: SourceModel, ids: torch.Tensor) -> None:
+        from transformers import AutoConfig
+
+        self.source = source
+        self.tensors = {t.name: t for t in source.tensors}
+        self.config = AutoConfig.from_pretrained(source.path)
+        self.skeletons: dict[str, torch.nn.Module] = {}
+        embed = self.tensors["model.embed_tokens.weight"]
+        rows = {
+            i: read_rows(embed.path, embed.entry, i, i + 1)[0].float()
+            for i in sorted(set(ids.flatten().tolist()))
+        }
+        self.hidden = torch.stack([torch.stack([rows[i] for i in row]) for row in ids.tolist()])
+
+    def advance(self, index: int, watched: list[str]) -> Layer:
+        """Run decoder layer `index` on the hidden states, recording the inputs of the `watched`
+        linears and of their parent modules; the layer's output becomes the next hidden states."""
+        types = getattr(self.config, "layer_types", None)
+        kind = types[index] if types else "decoder"
+        model = self.skeletons.get(kind) or self._skeleton(kind)
+        layer = model.get_submodule("layers.0")
+        prefix = f"model.layers.{index}."
+        state = {
+            name.removeprefix(prefix): read_rows(t.path, t.entry).float()
+            for name, t in self.tensors.items()
+            if name.startswith(prefix)
+        }
+        layer.load_state_dict(state, strict=True, assign=True)
+        seen = Layer(prefix.removesuffix("."), layer, self.hidden.shape[1], {}, {})
+        modules = dict(layer.named_modules())
+        handles = []
+        for name in watched:
+            local = name.removeprefix(prefix)
+            handles.append(modules[local].register_forward_pre_hook(seen.record_input(name)))
+            parent = local.rsplit(".", 1)[0]
+            handles.append(
+                modules[parent].register_forward_pre_hook(seen.record_call(parent), with_kwargs=True)
+            )
+        output: list[torch.Tensor] = []
+        handles.append(
+            layer.register_forward_hook(
+                lambda _m, _a, out: output.append(out[0] if isinstance(out, tuple) else out)
+            )
+        )
+        try:
+            with torch.inference_mode():
+                model(inputs_embeds=self.hidden, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.hidden = output[0]
+        return seen
+
+    def _skeleton(self, kind: str) -> torch.nn.Module:
+        """A one-layer base model of the source's architecture (random weights, replaced per layer)."""
+        from transformers import AutoModel
+
+        config = copy.deepcopy(self.config)
+        config.num_hidden_layers = 1
+        config.vocab_size, config.pad_token_id = 1, None  # the embedding is read row by row instead
+        if getattr(config, "layer_types", None):
+            config.layer_types = [kind]
+        torch.manual_seed(0)
+        model = AutoModel.from_config(config, dtype=torch.float32).eval()
+        self.skeletons[kind] = model
+        return model
+
+
+@dataclass
+class Layer:
+    """One decoder layer as the calibration pass saw it: its module, the inputs of the watched
+    linears (full names, [tokens, in]) and the calls of their parents (attention, MLP)."""
+
+    prefix: str
+    module: torch.nn.Module
+    sequence: int
+    inputs: dict[str, torch.Tensor]
+    calls: dict[str, tuple[tuple[torch.Tensor, ...], dict[str, Any]]]
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The fp32 weight of linear `name` (full name)."""
+        linear = self.module.get_submodule(name.removeprefix(f"{self.prefix}."))
+        return linear.get_parameter("weight").detach()
+
+    def record_input(self, name: str) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], None]:
+        def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            self.inputs[name] = args[0].reshape(-1, args[0].shape[-1])
 
         return hook
 
-    handles = [modules[g.linears[0]].register_forward_pre_hook(searcher(g)) for g in found]
-    try:
-        with torch.inference_mode():
-            decoder(torch.tensor([ids]))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return fold(scales, len(ids))
+    def record_call(self, local: str) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self.calls[local] = (args, kwargs)
+
+        return hook
 
 
-def fold(scales: dict[Group, torch.Tensor], tokens: int) -> Folds:
+def fold(
+    scales: dict[Group, torch.Tensor], tokens: int, clips: dict[str, tuple[torch.Tensor, int]] | None = None
+) -> Folds:
     """Where each group's scale goes: its linears' columns are multiplied, its producers' rows
-    divided (exact before quantization: the model computes the same function)."""
+    divided (exact before quantization: the model computes the same function); `clips`: the
+    clipping bounds of the scaled weights."""
     columns: dict[str, torch.Tensor] = {}
     rows: dict[str, torch.Tensor] = {}
     for group, scale in scales.items():
         columns.update({f"{name}.weight": scale for name in group.linears})
         rows.update({producer: scale for producer in group.producers})
-    return Folds(columns, rows, tokens)
+    return Folds(columns, rows, tokens, clips or {})
 
 
-def _search(
-    x: torch.Tensor, weights: dict[str, torch.Tensor], schemes: dict[str, tuple[str, int]]
-) -> torch.Tensor | None:
-    """The best per-channel scale for linears reading `x` (float64 [tokens, in]), or None when
-    none of them is integer-quantized or no scaling beats plain rounding."""
+def _search(layer: Layer, group: Group, schemes: dict[str, tuple[str, int]]) -> torch.Tensor | None:
+    """The best per-channel scale for `group`'s linears, or None when none of them is
+    integer-quantized or no scaling beats plain rounding.
+
+    s = mean|x|^alpha / mean|w~|^(1-alpha) (AutoAWQ's grid: w~ is |w| over its group's max),
+    alpha on ALPHAS, scored by the squared error of the output of the module the linears make
+    up (attention for q/k/v, the MLP for gate/up, the linear itself otherwise) on the first
+    calibration sequence, its other weights left in float.
+    """
     if all(scheme not in ("int4", "int8") for scheme, _ in schemes.values()):
         return None
-    magnitude = x.abs().mean(dim=0).float()
-    step = max(1, x.shape[0] // SEARCH_ROWS)
-    sample = x[::step].float()
-    reference = {name: sample @ w.t() for name, w in weights.items()}
-    best: tuple[float, torch.Tensor | None] = (float("inf"), None)
-    for alpha in ALPHAS:
-        scale = magnitude.pow(alpha).clamp(min=MIN_SCALE)
-        scale = scale / (scale.max() * scale.min()).sqrt()
-        error = 0.0
-        for name, w in weights.items():
-            scheme, group = schemes[name]
-            quantized = _fake_quantize(w * scale, scheme, group) / scale
-            error += float((sample @ quantized.t() - reference[name]).double().pow(2).sum())
-        if error < best[0]:
-            best = (error, None if alpha == 0 else scale)
+    x = layer.inputs[group.linears[0]]
+    weights = {name: layer.weight(name) for name in group.linears}
+    magnitude = x.double().abs().mean(dim=0).float()
+    relative = torch.cat([_relative(w, schemes[name][1]) for name, w in weights.items()]).mean(dim=0)
+    local = [name.removeprefix(f"{layer.prefix}.") for name in group.linears]
+    parent = local[0].rsplit(".", 1)[0] if len(local) > 1 else local[0]
+    module = layer.module.get_submodule(parent)
+    if len(local) > 1:
+        args, kwargs = layer.calls[parent]
+        args = (args[0][:1], *args[1:]) if args else args
+        kwargs = {k: _first(v) if k in ("hidden_states", "attention_mask") else v for k, v in kwargs.items()}
+        names = [n.removeprefix(f"{parent}.") + ".weight" for n in local]
+    else:
+        args, kwargs = (x[: layer.sequence],), {}
+        names = ["weight"]
+
+    def output(replace: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = functional_call(module, replace, args, kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    with torch.inference_mode():
+        reference = output({})
+        best: tuple[float, torch.Tensor | None] = (float("inf"), None)
+        for alpha in ALPHAS:
+            scale = (magnitude.pow(alpha) / relative.pow(1 - alpha).clamp(min=MIN_SCALE)).clamp(min=MIN_SCALE)
+            scale = scale / (scale.max() * scale.min()).sqrt()
+            replace = {}
+            for key, (name, w) in zip(names, weights.items(), strict=True):
+                scheme, size = schemes[name]
+                replace[key] = _fake_quantize(w * scale, scheme, size) / scale
+            error = float((output(replace) - reference).double().pow(2).sum())
+            if error < best[0]:
+                best = (error, None if alpha == 0 else scale)
     return best[1]
+
+
+def _first(value: Any) -> Any:
+    """The first calibration sequence of a batched tensor argument (others pass through)."""
+    return value[:1] if isinstance(value, torch.Tensor) and value.dim() > 1 else value
+
+
+def _relative(w: torch.Tensor, group: int) -> torch.Tensor:
+    """|w| over the max |w| of its quantization group (AutoAWQ's w_scale), [out, in]."""
+    g = group if group > 0 and w.shape[1] % group == 0 else w.shape[1]
+    grouped = w.abs().reshape(w.shape[0], -1, g)
+    return (grouped / (grouped.amax(dim=-1, keepdim=True) + 1e-6)).reshape(w.shape)
+
+
+def clip_bounds(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch.Tensor:
+    """AWQ's weight clipping: per output channel and group of `group` columns, the bound b on
+    |w| (from max|w| down to CLIP_RATIOS[-1] of it) whose clamped, int4-quantized weights give
+    that group's share of the output (x . w over the group's columns) closest to the float one
+    on calibration inputs `x` ([tokens, in], already divided by the AWQ scale): [out, groups]."""
+    step = max(1, x.shape[0] // CLIP_ROWS)
+    sample = x[::step][:CLIP_ROWS].float()
+    pad = -weight.shape[1] % group
+    inputs = torch.nn.functional.pad(sample, (0, pad)).reshape(sample.shape[0], -1, group).transpose(0, 1)
+    bounds = torch.empty(weight.shape[0], inputs.shape[0])
+    for rows in range(0, weight.shape[0], ROW_CHUNK):
+        w = weight[rows : rows + ROW_CHUNK].float()
+        top = _pad_groups(w, group).abs().amax(dim=-1)
+        reference = torch.bmm(inputs, _pad_groups(w, group).permute(1, 2, 0))
+        best = torch.full_like(top, float("inf"))
+        chosen = top.clone()
+        for ratio in CLIP_RATIOS:
+            bound = top * ratio
+            quantized = fake_quantize_int4(clamp_groups(w, bound, group), group)
+            error = (
+                (torch.bmm(inputs, _pad_groups(quantized, group).permute(1, 2, 0)) - reference)
+                .pow(2)
+                .sum(dim=1)
+                .t()
+            )
+            better = error < best
+            best = torch.where(better, error, best)
+            chosen = torch.where(better, bound, chosen)
+        bounds[rows : rows + ROW_CHUNK] = chosen
+    return bounds
+
+
+def clamp_groups(w: torch.Tensor, bounds: torch.Tensor, group: int) -> torch.Tensor:
+    """`w` [out, in] clamped to +-bounds[out, group of its column]."""
+    b = bounds.repeat_interleave(group, dim=1)[:, : w.shape[1]]
+    return torch.maximum(torch.minimum(w, b), -b)
+
+
+def _pad_groups(w: torch.Tensor, group: int) -> torch.Tensor:
+    """[rows, in] -> [rows, n, group], zero-padded (padding contributes nothing to x . w)."""
+    return torch.nn.functional.pad(w, (0, -w.shape[1] % group)).reshape(w.shape[0], -1, group)
 
 
 def _fake_quantize(w: torch.Tensor, scheme: str, group: int) -> torch.Tensor:
@@ -195,13 +396,18 @@ def _fake_quantize(w: torch.Tensor, scheme: str, group: int) -> torch.Tensor:
 
 
 def groups(source: SourceModel) -> list[Group]:
+    """The scalable groups of all decoder layers, in order."""
+    return [group for layer in layer_groups(source) for group in layer]
+
+
+def layer_groups(source: SourceModel) -> list[list[Group]]:
     """The scalable groups of each decoder layer; BuildError naming a tensor the model lacks."""
     config = source.config
     layers = int(config.get("num_hidden_layers", 0))
     heads = config.get("num_attention_heads")
     per_head_kv = config.get("num_key_value_heads", heads) == heads
     names = {t.name: tuple(t.entry.shape) for t in source.tensors}
-    found = []
+    found: list[list[Group]] = []
     for i in range(layers):
         p = f"model.layers.{i}"
         attn, mlp = f"{p}.self_attn", f"{p}.mlp"
@@ -214,7 +420,7 @@ def groups(source: SourceModel) -> list[Group]:
             layer.append(Group((f"{attn}.o_proj",), _with_bias(f"{attn}.v_proj", names)))
         for group in layer:
             _check_group(group, names)
-        found += layer
+        found.append(layer)
     if not found:
         raise BuildError(f"{source.path / 'config.json'}: no decoder layers for activation-aware scaling")
     return found

@@ -1,5 +1,6 @@
-"""Activation-aware int4: the folds leave the float model's function unchanged, the build records
-its calibration text, and bad or reused calibration text is refused with a position."""
+"""Activation-aware int4: the folds leave the float model's function unchanged, clipping lowers a
+linear's output error, the layer-by-layer calibration pass matches the whole model's, the build
+records its calibration text, and bad or reused calibration text is refused with a position."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from deployer.build.quality import load_model
 from deployer.build.source import iter_tensors, open_source
 from deployer.build.spec import AwqSpec, BuildRequest, QuantSpec
 from deployer.core.calibration import DEFAULT_CALIBRATION, MIN_WORDS
+from deployer.core.quant_layout import fake_quantize_int4
 from deployer.errors import BuildError
 from tests.build.conftest import EVAL_TEXT, make_request, small_gate, store_is_empty
 
@@ -46,14 +48,55 @@ def test_scaling_alone_leaves_the_logits_unchanged(tmp_path, kv_heads):
     assert torch.allclose(before, after, rtol=1e-4, atol=1e-4)  # ...the function did not
 
 
+def test_clipping_lowers_the_output_error_of_an_outlier_heavy_weight():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 256, generator=generator)
+    w = torch.randn(64, 256, generator=generator) * 0.02
+    # A few large weights per row stretch their groups' ranges, so plain min..max rounding
+    # spends its 16 levels on them and rounds the many small weights coarsely.
+    outliers = torch.randint(0, 256, (64, 4), generator=generator)
+    w.scatter_(1, outliers, 0.2 * torch.sign(torch.randn(64, 4, generator=generator)))
+
+    bounds = awq.clip_bounds(x, w, 128)
+    top = w.abs().reshape(64, 2, 128).amax(dim=-1)
+    assert bounds.shape == (64, 2) and torch.all(bounds <= top) and torch.any(bounds < top)
+
+    def error(weight: torch.Tensor) -> float:
+        return float((x @ fake_quantize_int4(weight, 128).t() - x @ w.t()).pow(2).mean())
+
+    plain, clipped = error(w), error(awq.clamp_groups(w, bounds, 128))
+    assert clipped < 0.95 * plain
+
+
+def test_the_layer_by_layer_pass_sees_what_the_whole_model_computes(tiny_model_dir):
+    source = open_source(tiny_model_dir)
+    ids = torch.tensor([IDS[:6], IDS[6:]])
+    with torch.inference_mode():
+        states = load_model(source)(ids, output_hidden_states=True).hidden_states
+    stream = awq.LayerStream(source, ids)
+    for index in range(len(states) - 1):
+        assert torch.allclose(stream.hidden, states[index], atol=1e-5)
+        layer = stream.advance(index, [f"model.layers.{index}.mlp.down_proj"])
+        assert layer.inputs[f"model.layers.{index}.mlp.down_proj"].shape[0] == ids.numel()
+
+
 def test_the_search_scales_int4_layers_and_the_build_records_it(tiny_model_dir, tmp_path):
     source = open_source(tiny_model_dir)
     folds = awq.search_folds(source, QuantSpec("int4", 32), awq.read_calibration(AwqSpec()), lambda _: None)
     assert folds.tokens >= 256 and folds.columns
     assert all(name.endswith(".weight") for name in folds.columns)
+    # Every int4 linear but q/k_proj is clipped, by bounds per output channel and group of 32.
+    assert set(folds.clips) == {
+        f"{g}.weight"
+        for group in awq.groups(source)
+        for g in group.linears
+        if not g.endswith(("q_proj", "k_proj"))
+    }
+    bounds, size = folds.clips["model.layers.0.mlp.down_proj.weight"]
+    assert size == 32 and bounds.shape == (64, 160 // 32)
     # A model stored in fp16 has nothing to protect from rounding: no scales.
     fp16 = awq.search_folds(source, QuantSpec("fp16"), awq.read_calibration(AwqSpec()), lambda _: None)
-    assert not fp16.columns and not fp16.rows
+    assert not fp16.columns and not fp16.rows and not fp16.clips
 
     result = build_artifact(make_request(tiny_model_dir, tmp_path / "store", "int4", 32, awq=AwqSpec()))
     manifest = json.loads((result.artifact_dir / "sits-manifest.json").read_text())
