@@ -51,7 +51,7 @@ FIELD = "model.quantization.calibration"
 # enough for stable per-channel means on small models, and a forward pass of a few seconds on
 # 2 cores.
 CALIBRATION_TOKENS = 1024
-SEQUENCE_TOKENS = 256
+SEQUENCE_TOKENS = 1024
 # Rows of activations the alpha search scores each candidate on (every k-th token), and the
 # candidates of the scale exponent alpha (0: no scaling).
 SEARCH_ROWS = 128
