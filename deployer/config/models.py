@@ -224,6 +224,7 @@ class Quantization(_Model):
     group_size: GroupSize = 128
     overrides: list[QuantOverride] = []
     awq: bool = False
+    gptq: bool = False
     calibration: FilePath | None = None
     gguf_int4: GGUFInt4 = "Q4_1"
     gguf_type: GGUFType | None = None
