@@ -52,13 +52,15 @@ from deployer.core.calibration import DEFAULT_CALIBRATION
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_TEXT = ROOT / "examples" / "data" / "eval.txt"
-# (label, scheme, group size, awq) of our safetensors builds.
+# (label, scheme, group size, awq, gptq) of our safetensors builds.
 OURS = [
-    ("int8", "int8", 128, False),
-    ("int4-g32", "int4", 32, False),
-    ("int4-g32 + awq", "int4", 32, True),
-    ("int4-g128", "int4", 128, False),
-    ("int4-g128 + awq", "int4", 128, True),
+    ("int8", "int8", 128, False, False),
+    ("int4-g32", "int4", 32, False, False),
+    ("int4-g32 + awq", "int4", 32, True, False),
+    ("int4-g128", "int4", 128, False, False),
+    ("int4-g128 + awq", "int4", 128, True, False),
+    ("int4-g128 + gptq", "int4", 128, False, True),
+    ("int4-g128 + awq + gptq", "int4", 128, True, True),
 ]
 # (label, scheme, GGUF int4 type) of our GGUF writer's builds.
 GGUF = [
@@ -155,7 +157,7 @@ def decode_tps(path: Path) -> float:
 
 def ours(source: Path, work: Path, gate: GateSpec) -> list[Row]:
     rows = []
-    for label, scheme, group, awq in OURS:
+    for label, scheme, group, awq, gptq in OURS:
         timer = _GateTimer()
         request = BuildRequest(
             source,
@@ -165,7 +167,7 @@ def ours(source: Path, work: Path, gate: GateSpec) -> list[Row]:
             work / label.replace(" ", ""),
             gate,
             use_cache=False,
-            awq=AwqSpec() if awq else None,
+            awq=AwqSpec(scales=awq, gptq=gptq) if awq or gptq else None,
         )
         result = build_artifact(request, progress=timer)
         rows.append(_row(label, result.quality, timer))

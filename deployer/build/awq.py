@@ -14,27 +14,35 @@ runs the same kernels at the same speed on a model whose float function is uncha
 
 Per group, s = mean|x|^alpha over the calibration tokens (normalised so max*min = 1), with alpha
 on a grid of 10 from 0 (no scaling) to 0.9, keeping the one whose quantized linears' outputs are
-closest (squared error) to the float ones. We write our own rather than use AutoAWQ or
-llm-compressor: both emit their own packed formats and kernels (GEMM/GEMV layouts, CUDA-only
-paths), while this only has to hand scaled float weights to our quantizer and artifact format.
-AWQ's weight-clipping search is not done (clipping lowered weight error but raised perplexity on
-SmolLM2 in an earlier trial, see quant_layout.quantize_int4).
+closest (squared error) to the float ones (see `_search` for AutoAWQ's variant, measured worse).
+AWQ's weight clipping (AutoAWQ's auto_clip) was tried too and dropped: it lowered each group's
+output error but raised SmolLM2's int4-g128 perplexity from +11.6 % to +13.6 %.
 
-The calibration forward runs in float64 so the per-channel statistics, and with them the folded
-weights, do not depend on thread scheduling; the alpha search itself runs in float32.
+With `gptq`, the same pass then rounds every int4 linear by GPTQ (build/gptq.py) on its scaled
+weights, compensating errors through its scaled calibration inputs; the levels it chose replace
+plain rounding when the weights are written (`Folds.rounded`).
+We write our own rather than use AutoAWQ or llm-compressor: both emit their own packed formats
+and kernels (GEMM/GEMV layouts, CUDA-only paths), while this only has to hand scaled float
+weights to our quantizer and artifact format.
+
+The calibration pass streams: one decoder layer's weights (fp32) at a time, the activations
+between layers kept, so peak memory is bounded by the largest layer, not the model. Per-channel
+statistics are summed in float64; the forward and the searches run in float32, deterministic
+for a given thread count (the build test builds twice and compares the artifact ids).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from deployer.build import quality
+from deployer.build import gptq, quality
 from deployer.build.quantize import module_scheme
-from deployer.build.source import SourceModel
+from deployer.build.source import SourceModel, read_rows
 from deployer.build.spec import AwqSpec, QuantSpec
 from deployer.core.calibration import DEFAULT_CALIBRATION, MIN_WORDS, text_problem
 from deployer.core.hashing import sha256_bytes
@@ -42,12 +50,13 @@ from deployer.core.quant_layout import dequantize_int8, fake_quantize_int4, quan
 from deployer.errors import BuildError
 
 FIELD = "model.quantization.calibration"
-# Calibration tokens read (one sequence, capped by the model's context): enough for stable
-# per-channel means on small models, and a forward pass of a few seconds on 2 cores.
+# Calibration tokens read (capped by the model's context), as sequences of SEQUENCE_TOKENS:
+# enough for stable per-channel means on small models, and a forward pass of a few seconds on
+# 2 cores.
 CALIBRATION_TOKENS = 1024
+SEQUENCE_TOKENS = 1024
 # Rows of activations the alpha search scores each candidate on (every k-th token), and the
-# candidates: each costs a quantization and a matmul per linear, and the search has to fit the
-# build's time budget (SmolLM2 in under 2 minutes on 2 cores).
+# candidates of the scale exponent alpha (0: no scaling).
 SEARCH_ROWS = 128
 ALPHAS = tuple(i / 10 for i in range(10))
 # Floor of a channel's scale before normalising: a channel that is never active gets a tiny
@@ -66,12 +75,15 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Folds:
-    """Scales folded into source tensors: `columns[name]` multiplies a weight's columns,
-    `rows[name]` divides its rows (a 1-D tensor's entries). `tokens`: calibration tokens used."""
+    """What the calibration pass decided before quantization: `columns[name]` multiplies a
+    weight's columns, `rows[name]` divides its rows (a 1-D tensor's entries); `rounded[name]`:
+    the int4 tensors GPTQ stored for a weight (quantize_int4's layout), used instead of rounding
+    it to nearest. `tokens`: calibration tokens."""
 
     columns: dict[str, torch.Tensor]
     rows: dict[str, torch.Tensor]
     tokens: int
+    rounded: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def apply(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The source tensor `name` with its folds applied (fp32), or unchanged when it has none."""
@@ -117,59 +129,176 @@ def read_calibration(spec: AwqSpec) -> Calibration:
 
 
 def search_folds(
-    source: SourceModel, spec: QuantSpec, calibration: Calibration, log: Callable[[str], None]
+    source: SourceModel,
+    spec: QuantSpec,
+    calibrated: AwqSpec,
+    calibration: Calibration,
+    log: Callable[[str], None],
 ) -> Folds:
-    """Search AWQ scales for `source` quantized per `spec`, on `calibration`'s text."""
-    found = groups(source)
+    """Search AWQ scales (`calibrated.scales`), then round int4 linears by GPTQ
+    (`calibrated.gptq`), for `source` quantized per `spec`, on `calibration`'s text, one decoder
+    layer at a time."""
+    layers = layer_groups(source)
     limit = min(CALIBRATION_TOKENS, int(source.config.get("max_position_embeddings", CALIBRATION_TOKENS)))
     ids = quality.encode(source, calibration.text)[:limit]
-    log(f"awq: searching scales for {len(found)} groups of linears on {len(ids)} calibration tokens")
-    model = quality.load_model(source).to(torch.float64)
-    decoder: torch.nn.Module = model.get_decoder()  # type: ignore[operator]  # the head is not needed
-    modules = dict(model.named_modules())
+    sequence = min(SEQUENCE_TOKENS, len(ids))
+    ids = ids[: len(ids) // sequence * sequence]
+    count = sum(len(layer) for layer in layers)
+    steps = [*(["scales"] if calibrated.scales else []), *(["GPTQ rounding"] if calibrated.gptq else [])]
+    log(f"calibration: {' and '.join(steps)} for {count} groups of linears on {len(ids)} tokens")
+    stream = LayerStream(source, torch.tensor(ids).reshape(-1, sequence))
     scales: dict[Group, torch.Tensor] = {}
+    rounded: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for index, found in enumerate(layers):
+        int4 = [n for n in _linears(index) if module_scheme(spec, n)[0] == "int4"] if calibrated.gptq else []
+        layer = stream.advance(index, sorted({g.linears[0] for g in found} | set(int4)))
+        if calibrated.scales:
+            for group in found:
+                scale = _search(layer, group, {name: module_scheme(spec, name) for name in group.linears})
+                if scale is not None:
+                    scales[group] = scale
+        folds = fold({g: s for g, s in scales.items() if g in found}, 0)
+        factors: dict[int, torch.Tensor] = {}  # per input (linears sharing one share H)
+        for name in int4:
+            x = layer.inputs[name]
+            key = f"{name}.weight"
+            if x.data_ptr() not in factors:
+                factors[x.data_ptr()] = gptq.inverse_factor(gptq.hessian(x / folds.columns.get(key, 1.0)))
+            weight = folds.apply(key, layer.weight(name))
+            rounded[key] = gptq.quantize(weight, factors[x.data_ptr()], module_scheme(spec, name)[1])
+    return Folds(*_placed(scales), len(ids), rounded)
 
-    def searcher(group: Group) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], None]:
+
+def _linears(index: int) -> list[str]:
+    """The decoder linears of layer `index` (the layout `layer_groups` checked)."""
+    p = f"model.layers.{index}"
+    return [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+        f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")
+    ]
+
+
+class LayerStream:
+    """The calibration forward pass one decoder layer at a time: one layer's weights (fp32) are
+    in memory at once, with the hidden states between layers, so the peak is bounded by the
+    largest layer, not the model. Each layer runs in a one-layer model of the source's own
+    architecture (transformers builds the rotary embedding and the causal mask)."""
+
+    def __init__(self, source: SourceModel, ids: torch.Tensor) -> None:
+        from transformers import AutoConfig
+
+        self.source = source
+        self.tensors = {t.name: t for t in source.tensors}
+        self.config = AutoConfig.from_pretrained(source.path)
+        self.skeletons: dict[str, torch.nn.Module] = {}
+        embed = self.tensors["model.embed_tokens.weight"]
+        rows = {
+            i: read_rows(embed.path, embed.entry, i, i + 1)[0].float()
+            for i in sorted(set(ids.flatten().tolist()))
+        }
+        self.hidden = torch.stack([torch.stack([rows[i] for i in row]) for row in ids.tolist()])
+
+    def advance(self, index: int, watched: list[str]) -> Layer:
+        """Run decoder layer `index` on the hidden states, recording the inputs of the `watched`
+        linears; the layer's output becomes the next hidden states."""
+        types = getattr(self.config, "layer_types", None)
+        kind = types[index] if types else "decoder"
+        model = self.skeletons.get(kind) or self._skeleton(kind)
+        layer = model.get_submodule("layers.0")
+        prefix = f"model.layers.{index}."
+        state = {
+            name.removeprefix(prefix): read_rows(t.path, t.entry).float()
+            for name, t in self.tensors.items()
+            if name.startswith(prefix)
+        }
+        layer.load_state_dict(state, strict=True, assign=True)
+        seen = Layer(prefix.removesuffix("."), layer, {})
+        modules = dict(layer.named_modules())
+        handles = []
+        for name in watched:
+            local = name.removeprefix(prefix)
+            handles.append(modules[local].register_forward_pre_hook(seen.record_input(name)))
+        output: list[torch.Tensor] = []
+        handles.append(
+            layer.register_forward_hook(
+                lambda _m, _a, out: output.append(out[0] if isinstance(out, tuple) else out)
+            )
+        )
+        try:
+            with torch.inference_mode():
+                model(inputs_embeds=self.hidden, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.hidden = output[0]
+        return seen
+
+    def _skeleton(self, kind: str) -> torch.nn.Module:
+        """A one-layer base model of the source's architecture (random weights, replaced per layer)."""
+        from transformers import AutoModel
+
+        config = copy.deepcopy(self.config)
+        config.num_hidden_layers = 1
+        config.vocab_size, config.pad_token_id = 1, None  # the embedding is read row by row instead
+        if getattr(config, "layer_types", None):
+            config.layer_types = [kind]
+        torch.manual_seed(0)
+        model = AutoModel.from_config(config, dtype=torch.float32).eval()
+        self.skeletons[kind] = model
+        return model
+
+
+@dataclass
+class Layer:
+    """One decoder layer as the calibration pass saw it: its module, the inputs of the watched
+    linears (full names, [tokens, in])."""
+
+    prefix: str
+    module: torch.nn.Module
+    inputs: dict[str, torch.Tensor]
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The fp32 weight of linear `name` (full name)."""
+        linear = self.module.get_submodule(name.removeprefix(f"{self.prefix}."))
+        return linear.get_parameter("weight").detach()
+
+    def record_input(self, name: str) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], None]:
         def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1])
-            weights = {name: modules[name].weight.float() for name in group.linears}
-            scale = _search(x, weights, {name: module_scheme(spec, name) for name in group.linears})
-            if scale is not None:
-                scales[group] = scale
+            self.inputs[name] = args[0].reshape(-1, args[0].shape[-1])
 
         return hook
-
-    handles = [modules[g.linears[0]].register_forward_pre_hook(searcher(g)) for g in found]
-    try:
-        with torch.inference_mode():
-            decoder(torch.tensor([ids]))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return fold(scales, len(ids))
 
 
 def fold(scales: dict[Group, torch.Tensor], tokens: int) -> Folds:
     """Where each group's scale goes: its linears' columns are multiplied, its producers' rows
     divided (exact before quantization: the model computes the same function)."""
+    return Folds(*_placed(scales), tokens)
+
+
+def _placed(scales: dict[Group, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(columns, rows) of `Folds` for the groups' scales."""
     columns: dict[str, torch.Tensor] = {}
     rows: dict[str, torch.Tensor] = {}
     for group, scale in scales.items():
         columns.update({f"{name}.weight": scale for name in group.linears})
         rows.update({producer: scale for producer in group.producers})
-    return Folds(columns, rows, tokens)
+    return columns, rows
 
 
-def _search(
-    x: torch.Tensor, weights: dict[str, torch.Tensor], schemes: dict[str, tuple[str, int]]
-) -> torch.Tensor | None:
-    """The best per-channel scale for linears reading `x` (float64 [tokens, in]), or None when
-    none of them is integer-quantized or no scaling beats plain rounding."""
+def _search(layer: Layer, group: Group, schemes: dict[str, tuple[str, int]]) -> torch.Tensor | None:
+    """The best per-channel scale for `group`'s linears, or None when none of them is
+    integer-quantized or no scaling beats plain rounding: s = mean|x|^alpha, alpha on ALPHAS,
+    scored by the squared error of the quantized linears' outputs on SEARCH_ROWS calibration rows.
+
+    (AutoAWQ's variant was measured worse on SmolLM2 int4-g128: dividing by mean|w~|^(1-alpha),
+    w~ = |w| over its group's max, and scoring the attention/MLP output on one 256-token sequence
+    gave +25.5 % perplexity where this gives +11.6 %.)
+    """
     if all(scheme not in ("int4", "int8") for scheme, _ in schemes.values()):
         return None
-    magnitude = x.abs().mean(dim=0).float()
-    step = max(1, x.shape[0] // SEARCH_ROWS)
-    sample = x[::step].float()
+    x = layer.inputs[group.linears[0]]
+    magnitude = x.double().abs().mean(dim=0).float()
+    sample = x[:: max(1, x.shape[0] // SEARCH_ROWS)]
+    weights = {name: layer.weight(name) for name in group.linears}
     reference = {name: sample @ w.t() for name, w in weights.items()}
     best: tuple[float, torch.Tensor | None] = (float("inf"), None)
     for alpha in ALPHAS:
@@ -177,8 +306,8 @@ def _search(
         scale = scale / (scale.max() * scale.min()).sqrt()
         error = 0.0
         for name, w in weights.items():
-            scheme, group = schemes[name]
-            quantized = _fake_quantize(w * scale, scheme, group) / scale
+            scheme, size = schemes[name]
+            quantized = _fake_quantize(w * scale, scheme, size) / scale
             error += float((sample @ quantized.t() - reference[name]).double().pow(2).sum())
         if error < best[0]:
             best = (error, None if alpha == 0 else scale)
@@ -195,13 +324,18 @@ def _fake_quantize(w: torch.Tensor, scheme: str, group: int) -> torch.Tensor:
 
 
 def groups(source: SourceModel) -> list[Group]:
+    """The scalable groups of all decoder layers, in order."""
+    return [group for layer in layer_groups(source) for group in layer]
+
+
+def layer_groups(source: SourceModel) -> list[list[Group]]:
     """The scalable groups of each decoder layer; BuildError naming a tensor the model lacks."""
     config = source.config
     layers = int(config.get("num_hidden_layers", 0))
     heads = config.get("num_attention_heads")
     per_head_kv = config.get("num_key_value_heads", heads) == heads
     names = {t.name: tuple(t.entry.shape) for t in source.tensors}
-    found = []
+    found: list[list[Group]] = []
     for i in range(layers):
         p = f"model.layers.{i}"
         attn, mlp = f"{p}.self_attn", f"{p}.mlp"
@@ -214,7 +348,7 @@ def groups(source: SourceModel) -> list[Group]:
             layer.append(Group((f"{attn}.o_proj",), _with_bias(f"{attn}.v_proj", names)))
         for group in layer:
             _check_group(group, names)
-        found += layer
+        found.append(layer)
     if not found:
         raise BuildError(f"{source.path / 'config.json'}: no decoder layers for activation-aware scaling")
     return found

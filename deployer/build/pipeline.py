@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deployer import __version__
-from deployer.build import awq, quality
+from deployer.build import awq, gptq, quality
 from deployer.build.artifact import (
     WEIGHTS_NAME,
     ArtifactWeights,
@@ -168,9 +168,17 @@ def _cache_inputs(
             hint="calibrate and evaluate on different texts: the gate must score text the "
             "quantizer never saw",
         )
-    # The calibration text shapes AWQ's scales or llama.cpp's importance matrix.
-    calibrated = "awq" if request.awq else "imatrix"
-    awq_inputs = {calibrated: {"calibration_sha256": calibration.sha256}} if calibration else {}
+    # The calibration text shapes AWQ's scales, GPTQ's rounding or llama.cpp's importance matrix
+    # (each key only when used, so existing caches stay valid).
+    awq_inputs: dict[str, Any] = {}
+    if calibration is not None:
+        used = {"calibration_sha256": calibration.sha256}
+        if request.awq is None:
+            awq_inputs["imatrix"] = used
+        if request.awq is not None and request.awq.scales:
+            awq_inputs["awq"] = used
+        if request.awq is not None and request.awq.gptq:
+            awq_inputs["gptq"] = {**used, "damp": gptq.DAMP, "block": gptq.BLOCK}
     return {
         **formats,
         **awq_inputs,
@@ -219,7 +227,9 @@ def _write_weights(
     progress: BuildProgress,
     calibration: awq.Calibration | None,
 ) -> _Written:
-    folds = awq.search_folds(source, request.quant, calibration, progress.stage) if calibration else None
+    folds = None
+    if calibration is not None and request.awq is not None:
+        folds = awq.search_folds(source, request.quant, request.awq, calibration, progress.stage)
     plans = _plans(source, request)
     total_bytes = sum(source_tensor.entry.length for source_tensor in source.tensors)
     writer = WeightsWriter(staged / WEIGHTS_NAME, (t for p in plans.values() for t in p.outputs))
@@ -230,9 +240,11 @@ def _write_weights(
             plan = plans.get(source_tensor.name)
             if plan is None:
                 continue
+            rounded = None
             if folds is not None:
                 tensor = folds.apply(source_tensor.name, tensor)
-            for name, stored in quantize_tensor(plan, tensor).items():
+                rounded = folds.rounded.get(source_tensor.name)
+            for name, stored in quantize_tensor(plan, tensor, rounded).items():
                 writer.write(name, stored)
             progress.tensor_done(source_tensor.name, source_tensor.entry.length)
     except BaseException:
@@ -246,13 +258,19 @@ def _write_weights(
         len(writer.records),
         writer.size,
         lambda: nullcontext(ArtifactWeights(staged, modules)),
-        spec={} if folds is None or calibration is None else {"awq": _awq_record(calibration, folds)},
+        spec=_awq_record(request, calibration, folds),
     )
 
 
-def _awq_record(calibration: awq.Calibration, folds: awq.Folds) -> dict[str, Any]:
-    """The manifest's `quantization.spec.awq`."""
-    return {"calibration_sha256": calibration.sha256, "tokens": folds.tokens}
+def _awq_record(
+    request: BuildRequest, calibration: awq.Calibration | None, folds: awq.Folds | None
+) -> dict[str, Any]:
+    """The manifest's `quantization.spec.awq`, when AWQ scaled the weights. (GPTQ's rounding is
+    not recorded there: agents that know format 2 refuse unknown manifest keys, and its levels
+    are in the weights, which the artifact id hashes.)"""
+    if request.awq is None or not request.awq.scales or calibration is None or folds is None:
+        return {}
+    return {"awq": {"calibration_sha256": calibration.sha256, "tokens": folds.tokens}}
 
 
 def _write_gguf(

@@ -104,8 +104,13 @@ def plan_tensor(spec: QuantSpec, name: str, shape: tuple[int, ...]) -> TensorPla
     return TensorPlan(name, module, quant, (StoredTensor(name, dtype, shape),))
 
 
-def quantize_tensor(plan: TensorPlan, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Quantize one source tensor per its plan; returns the stored tensors in plan order."""
+def quantize_tensor(
+    plan: TensorPlan,
+    weight: torch.Tensor,
+    rounded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Quantize one source tensor per its plan; returns the stored tensors in plan order.
+    `rounded`: an int4 weight's tensors already rounded by GPTQ (build/gptq.py), stored as given."""
     quant = plan.quant
     tensors: tuple[torch.Tensor, ...]
     if quant is not None and quant.scheme == "int8":
@@ -113,7 +118,7 @@ def quantize_tensor(plan: TensorPlan, weight: torch.Tensor) -> dict[str, torch.T
     elif quant is not None and quant.scheme == "int4":
         if quant.group_size is None:
             raise BuildError(f"internal: the int4 plan for {plan.source} has no group size")
-        tensors = quantize_int4(weight, quant.group_size)
+        tensors = rounded or quantize_int4(weight, quant.group_size)
     else:
         tensors = (weight.to(FLOAT_DTYPES[quant.scheme if quant else "fp32"][1]).contiguous(),)
     result = {}

@@ -20,8 +20,9 @@ def request_from_config(config: Config, *, use_cache: bool = True) -> BuildReque
     model = config.model
     quant = model.quantization
     awq = None
-    if quant.awq:
-        awq = AwqSpec(config.resolve(quant.calibration) if quant.calibration else None)
+    if quant.awq or quant.gptq:
+        calibration = config.resolve(quant.calibration) if quant.calibration else None
+        awq = AwqSpec(calibration, scales=quant.awq, gptq=quant.gptq)
     spec = QuantSpec(
         scheme=quant.scheme,
         group_size=quant.group_size,

@@ -94,10 +94,14 @@ class QuantSpec:
 
 @dataclass(frozen=True)
 class AwqSpec:
-    """Activation-aware scaling: per-input-channel scales searched on `calibration` (None: the
-    text shipped with the package, deployer/core/calibration.txt) and folded into the model."""
+    """Calibrated quantization on `calibration` (None: the text shipped with the package,
+    deployer/core/calibration.txt): activation-aware per-input-channel scales folded into the
+    model (`scales`, deploy.yaml's `awq`), then GPTQ's error-compensating rounding of int4
+    linears (`gptq`)."""
 
     calibration: Path | None = None
+    scales: bool = True
+    gptq: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,10 +173,11 @@ class BuildRequest:
                 f"unknown GGUF int4 type {self.gguf_int4!r}", hint=f"use one of {', '.join(GGUF_INT4_TYPES)}"
             )
         if self.awq is not None and self.format == "gguf":
+            field = "awq" if self.awq.scales else "gptq"
             raise BuildError(
-                "model.quantization.awq: activation-aware scaling is built for the torch engine's "
-                "artifacts, not GGUF",
-                hint="remove `awq: true`, or use agent.engine: torch",
+                f"model.quantization.{field}: calibrated int4 (awq, gptq) is built for the torch "
+                "engine's artifacts, not GGUF",
+                hint=f"remove `{field}: true`, or use agent.engine: torch",
             )
         if self.llama_quant is not None and self.format != "gguf":
             raise BuildError(

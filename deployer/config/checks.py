@@ -247,15 +247,17 @@ def _model_findings(given: CheckInput) -> tuple[ModelShape | None, list[Finding]
 
 
 def _calibration_findings(given: CheckInput, model: ModelSpec) -> list[Finding]:
-    """The calibration text of `awq` or of llama.cpp's importance matrix: used only with them, a
+    """The calibration text of `awq`, `gptq` or llama.cpp's importance matrix: used only with them, a
     readable UTF-8 text long enough, and not the quality gate's eval text (the gate must score
     unseen text)."""
     quant, gate = model.quantization, model.quality_gate
     at = ("model", "quantization", "calibration")
-    if quant.calibration is not None and not (quant.awq or quant.uses_imatrix):
-        hint = "set awq: true (torch) or gguf_type: Q4_K_M (llama.cpp), or remove calibration"
-        return [given.positions.finding(at, "calibration is used only with awq or a K-quant gguf_type", hint)]
-    if not (quant.awq or quant.uses_imatrix):
+    calibrated = quant.awq or quant.gptq or quant.uses_imatrix
+    if quant.calibration is not None and not calibrated:
+        hint = "set awq: true or gptq: true (torch) or gguf_type: Q4_K_M (llama.cpp), or remove calibration"
+        message = "calibration is used only with awq, gptq or a K-quant gguf_type"
+        return [given.positions.finding(at, message, hint)]
+    if not calibrated:
         return []
     path = given.resolve(quant.calibration) if quant.calibration else DEFAULT_CALIBRATION
     if not path.is_file():
@@ -306,12 +308,21 @@ def _engine_findings(given: CheckInput) -> list[Finding]:
             )
         )
     findings += _gguf_type_findings(given, quant, llama_cpp)
-    if quant.awq and llama_cpp:
+    for key in ("awq", "gptq"):
+        if getattr(quant, key) and llama_cpp:
+            findings.append(
+                given.positions.finding(
+                    ("model", "quantization", key),
+                    f"{key} is built for the torch engine's artifacts, not llama.cpp's GGUF",
+                    f"remove {key}: true, or set agent.engine: torch",
+                )
+            )
+    if quant.gptq and not llama_cpp and not uses:
         findings.append(
             given.positions.finding(
-                ("model", "quantization", "awq"),
-                "awq is built for the torch engine's artifacts, not llama.cpp's GGUF",
-                "remove awq: true, or set agent.engine: torch",
+                ("model", "quantization", "gptq"),
+                f"gptq rounds int4 weights, and no weight is int4 (scheme {quant.scheme})",
+                "remove gptq: true, or use scheme: int4 (or layered, or an int4 override)",
             )
         )
     return findings + [

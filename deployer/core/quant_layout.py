@@ -94,9 +94,21 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     for rows in range(0, out_features, ROW_CHUNK):
         chunk = slice(rows, rows + ROW_CHUNK)
         q, scale[chunk], zero[chunk] = _int4_groups(_groups(weight[chunk].float(), group_size))
-        q = q.reshape(q.shape[0], in_padded)
-        packed[chunk] = q[:, 0::2] | (q[:, 1::2] << 4)
+        packed[chunk] = pack_int4(q.reshape(q.shape[0], in_padded))
     return packed, scale, zero
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Levels 0..15 uint8 [out, in_p] -> two per byte, low nibble = even column: [out, in_p/2]."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def int4_grid(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) fp16 [out] that `quantize_int4` picks for one group of columns `weight`
+    [out, <= group_size] (a last group narrower than `group_size` padded as it pads it); the
+    error-compensating rounding (build/gptq.py) fixes a group's grid this way when it starts."""
+    _, scale, zero = _int4_groups(_groups(weight.float(), group_size)[:, :1])
+    return scale[:, 0], zero[:, 0]
 
 
 def fake_quantize_int4(weight: torch.Tensor, group_size: int) -> torch.Tensor:

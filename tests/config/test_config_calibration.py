@@ -55,7 +55,39 @@ def test_calibration_needs_awq(write_config, tmp_path):
     quant = QUANT.replace("    awq: true\n", "")
     findings = _findings(write_config, tmp_path, DEFAULT_CALIBRATION.read_bytes(), quant=quant)
     assert [(f.path, f.message) for f in findings] == [
-        ("model.quantization.calibration", "calibration is used only with awq or a K-quant gguf_type")
+        ("model.quantization.calibration", "calibration is used only with awq, gptq or a K-quant gguf_type")
+    ]
+    # GPTQ rounding reads the calibration text too.
+    gptq = QUANT.replace("    awq: true\n", "    gptq: true\n")
+    assert _findings(write_config, tmp_path, b" ".join(b"w%d" % i for i in range(300)), quant=gptq) == []
+
+
+@pytest.mark.parametrize(
+    ("quant", "engine", "at", "message"),
+    [
+        (
+            "    scheme: int8\n    gptq: true\n",
+            None,
+            (7, 11),
+            "gptq rounds int4 weights, and no weight is int4 (scheme int8)",
+        ),
+        (
+            "    scheme: int4\n    group_size: 32\n    gptq: true\n",
+            "llama.cpp",
+            (8, 11),
+            "gptq is built for the torch engine's artifacts, not llama.cpp's GGUF",
+        ),
+    ],
+    ids=["no-int4", "llama.cpp"],
+)
+def test_gptq_where_it_cannot_apply_is_found_at_the_field(write_config, tmp_path, quant, engine, at, message):
+    path = write_config(
+        replace=(("  version: 1.0.0\n", "  version: 1.0.0\n  quantization:\n" + quant),),
+        append=f"agent:\n  engine: {engine}\n" if engine else "",
+    )
+    findings = [f for f in validate_file(path, environ={}) if f.is_error]
+    assert [(f.line, f.column, f.path, f.message) for f in findings] == [
+        (*at, "model.quantization.gptq", message)
     ]
 
 
