@@ -1,7 +1,12 @@
 """One row of bench/scale_load.py: load an artifact on one engine in this fresh process and print
 its steady and peak RSS as JSON. Imports only that engine (a llama.cpp row holds no torch).
 
-    python -m bench.load_child ARTIFACT_DIR ENGINE SLOTS CONTEXT [--baseline]
+With --generate N (bench/scale.py) the torch row loads through the agent's engine (TorchEngine, as
+the server does) rather than the bare loader, both engines warm up, and one greedy chat answer of N
+tokens (end tokens banned, so random weights run the whole way) adds its first-token time, decode
+rate and the peak RSS after it.
+
+    python -m bench.load_child ARTIFACT_DIR ENGINE SLOTS CONTEXT [--baseline] [--generate N]
 """
 
 from __future__ import annotations
@@ -11,6 +16,13 @@ import gc
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deployer.agent.engines.base import Engine
+
+# A prompt of a few dozen tokens, as a chat turn: what a first token waits for on a device.
+PROMPT = "Explain in two sentences why an edge device verifies a signed update before installing it."
 
 
 def _status() -> dict[str, int]:
@@ -23,12 +35,13 @@ def _status() -> dict[str, int]:
     return out
 
 
-def child(directory: Path, engine: str, slots: int, context: int, baseline: bool) -> None:
+def child(directory: Path, engine: str, slots: int, context: int, baseline: bool, generate: int = 0) -> None:
     """Load `directory` on `engine` (llama.cpp: and warm it up, as the agent does before serving)
     and print its steady and peak RSS and the seconds it took, as JSON. `baseline` (torch): keep
-    every mapped page of the weights until the load ends."""
+    every mapped page of the weights until the load ends. `generate` > 0: load through the engine,
+    warm up, then answer once (see the module docstring)."""
     started = time.perf_counter()
-    if engine == "torch":
+    if engine == "torch" and not generate:
         import torch
 
         from deployer.agent.engines.torch import loader
@@ -41,17 +54,53 @@ def child(directory: Path, engine: str, slots: int, context: int, baseline: bool
             directory, device="cpu", dtype="auto", max_context=context, slots=slots
         )
     else:
-        from deployer.agent.engines.llamacpp.engine import LlamaCppEngine
-
-        engine_ = LlamaCppEngine(max_context=context, threads=2, slots=slots)
+        engine_ = _engine(engine, slots, context)
         engine_.load(directory)
         engine_.warmup()
         loaded = engine_
     seconds = time.perf_counter() - started
     gc.collect()
     status = _status()
-    print(json.dumps({"steady": status["VmRSS"], "peak": status["VmHWM"], "seconds": seconds}))
+    row: dict[str, object] = {"steady": status["VmRSS"], "peak": status["VmHWM"], "seconds": seconds}
+    if generate:
+        row |= _answer(engine_, generate)
+    print(json.dumps(row))
     del loaded
+
+
+def _engine(name: str, slots: int, context: int) -> Engine:
+    """The agent's engine `name` on the CPU with 2 threads (imported lazily: one engine a process)."""
+    if name == "torch":
+        from deployer.agent.engines.torch.engine import TorchEngine
+
+        return TorchEngine(device="cpu", max_context=context, threads=2, slots=slots)
+    from deployer.agent.engines.llamacpp.engine import LlamaCppEngine
+
+    return LlamaCppEngine(max_context=context, threads=2, slots=slots)
+
+
+def _answer(engine: Engine, tokens: int) -> dict[str, object]:
+    """One greedy chat answer of `tokens` tokens: first-token ms, decode tokens/s, RSS peak after."""
+    from deployer.agent.types import ChatMessage, SamplingParams
+
+    prompt = engine.chat_prompt([ChatMessage("user", PROMPT)])
+    banned = tuple((token, -1e9) for token in sorted(engine.end_ids))
+    params = SamplingParams(max_tokens=tokens, temperature=0, logit_bias=banned)
+    start = time.perf_counter()
+    stamps, pieces = [], []
+    for event in engine.stream(prompt, params):
+        if event.token_id is not None:  # the closing event may carry only its finish reason
+            stamps.append(time.perf_counter())
+        pieces.append(event.text)
+    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
+    return {
+        "prompt_tokens": len(prompt),
+        "tokens": len(stamps),
+        "first_token_s": stamps[0] - start,
+        "decode_tps": decode,
+        "peak_after": _status()["VmHWM"],
+        "text": "".join(pieces)[:40],
+    }
 
 
 def main() -> None:
@@ -62,8 +111,9 @@ def main() -> None:
     parser.add_argument("slots", type=int)
     parser.add_argument("context", type=int)
     parser.add_argument("--baseline", action="store_true")
+    parser.add_argument("--generate", type=int, default=0, help="then answer once with this many tokens")
     args = parser.parse_args()
-    child(args.directory, args.engine, args.slots, args.context, args.baseline)
+    child(args.directory, args.engine, args.slots, args.context, args.baseline, args.generate)
 
 
 if __name__ == "__main__":
