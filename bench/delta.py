@@ -236,11 +236,14 @@ BSDIFF_PATCH = "import sys, bsdiff4; bsdiff4.file_patch(*sys.argv[1:4])"
 
 @dataclass(frozen=True)
 class Run:
-    """One child process: wall seconds, peak RSS in MiB, and whether it finished in time."""
+    """One child process: wall seconds, peak RSS in MiB, whether it finished in time, and its CPU
+    seconds (user + system, its threads and children included: on a shared machine the wall time
+    grows with the load, this barely does)."""
 
     seconds: float
     rss_mib: float
     ok: bool
+    cpu_s: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -281,7 +284,8 @@ def run(cmd: list[str], timeout: float) -> Run:
         text = errors.read().decode(errors="replace")
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[0]} failed: {text[-500:]}")
-    return Run(seconds, int(text.rsplit("MAXRSS ", 1)[1].split()[0]) / 1024, ok=True)
+    words = text.rsplit("MAXRSS ", 1)[1].split()
+    return Run(seconds, int(words[0]) / 1024, ok=True, cpu_s=float(words[2]))
 
 
 _MEASURE = (
@@ -289,7 +293,7 @@ _MEASURE = (
     "pid = os.fork()\n"
     "if pid == 0:\n    os.execvp(sys.argv[1], sys.argv[1:])\n"
     "_, status, usage = os.wait4(pid, 0)\n"
-    "sys.stderr.write(f'MAXRSS {usage.ru_maxrss}\\n')\n"
+    "sys.stderr.write(f'MAXRSS {usage.ru_maxrss} CPU {usage.ru_utime + usage.ru_stime}\\n')\n"
     "sys.exit(os.waitstatus_to_exitcode(status))\n"
 )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import resource
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,12 @@ if TYPE_CHECKING:
 
 # A prompt of a few dozen tokens, as a chat turn: what a first token waits for on a device.
 PROMPT = "Explain in two sentences why an edge device verifies a signed update before installing it."
+
+
+def _cpu() -> float:
+    """CPU seconds (user + system) this process has used so far, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _status() -> dict[str, int]:
@@ -61,7 +68,12 @@ def child(directory: Path, engine: str, slots: int, context: int, baseline: bool
     seconds = time.perf_counter() - started
     gc.collect()
     status = _status()
-    row: dict[str, object] = {"steady": status["VmRSS"], "peak": status["VmHWM"], "seconds": seconds}
+    row: dict[str, object] = {
+        "steady": status["VmRSS"],
+        "peak": status["VmHWM"],
+        "seconds": seconds,
+        "cpu": _cpu(),
+    }
     if generate:
         row |= _answer(engine_, generate)
     print(json.dumps(row))
@@ -86,17 +98,21 @@ def _answer(engine: Engine, tokens: int) -> dict[str, object]:
     prompt = engine.chat_prompt([ChatMessage("user", PROMPT)])
     banned = tuple((token, -1e9) for token in sorted(engine.end_ids))
     params = SamplingParams(max_tokens=tokens, temperature=0, logit_bias=banned)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu()
     stamps, pieces = [], []
     for event in engine.stream(prompt, params):
         if event.token_id is not None:  # the closing event may carry only its finish reason
             stamps.append(time.perf_counter())
+            if len(stamps) == 1:
+                first_cpu = _cpu() - cpu
         pieces.append(event.text)
     decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
     return {
         "prompt_tokens": len(prompt),
         "tokens": len(stamps),
         "first_token_s": stamps[0] - start,
+        "first_token_cpu": first_cpu,
+        "decode_cpu": _cpu() - cpu - first_cpu,
         "decode_tps": decode,
         "peak_after": _status()["VmHWM"],
         "text": "".join(pieces)[:40],

@@ -102,11 +102,12 @@ BIN = Path(sys.executable).parent
 
 @dataclass(frozen=True)
 class Row:
-    """One stage of one shape: wall seconds, peak RSS (MiB), a rate and a note."""
+    """One stage of one shape: wall seconds, peak RSS (MiB), CPU seconds, a rate and a note."""
 
     stage: str
     seconds: float
     rss_mib: float
+    cpu_s: float
     rate: str = ""
     note: str = ""
 
@@ -135,8 +136,9 @@ class Stages:
 
     def add(self, stage: str, result: Run, rate: str = "", note: str = "") -> None:
         """Record one row, and print it at once (a shape's stages take up to an hour)."""
-        self.rows.append(Row(stage, result.seconds, result.rss_mib, rate, note))
-        line = f"{self.shape} {stage}: {result.seconds:.1f} s, {result.rss_mib:.0f} MiB {rate} {note}"
+        self.rows.append(Row(stage, result.seconds, result.rss_mib, result.cpu_s, rate, note))
+        took = f"{result.seconds:.1f} s, CPU {result.cpu_s:.1f} s, {result.rss_mib:.0f} MiB"
+        line = f"{self.shape} {stage}: {took} {rate} {note}"
         self.console.print(line, style="dim", markup=False, highlight=False)
 
 
@@ -254,13 +256,14 @@ def serve_rows(stages: Stages, engine: str, artifact: Path, tokens: int) -> floa
     row = json.loads(done.stdout.strip().splitlines()[-1])
     mib = 2**20
     steady = f"steady {row['steady'] / mib:.0f} MiB, {SLOTS} slots x {CONTEXT}"
-    stages.add(
-        f"{engine}: agent load + warm-up", Run(row["seconds"], row["peak"] / mib, ok=True), note=steady
-    )
-    first = Run(row["first_token_s"], row["peak_after"] / mib, ok=True)
+    loaded = Run(row["seconds"], row["peak"] / mib, ok=True, cpu_s=row["cpu"])
+    stages.add(f"{engine}: agent load + warm-up", loaded, note=steady)
+    first = Run(row["first_token_s"], row["peak_after"] / mib, ok=True, cpu_s=row["first_token_cpu"])
     stages.add(f"{engine}: first token", first, note=f"prompt {row['prompt_tokens']} tokens")
     decode = f"{row['decode_tps']:.2f} tok/s"
-    spent = Run((row["tokens"] - 1) / row["decode_tps"], row["peak_after"] / mib, ok=True)
+    spent = Run(
+        (row["tokens"] - 1) / row["decode_tps"], row["peak_after"] / mib, ok=True, cpu_s=row["decode_cpu"]
+    )
     stages.add(f"{engine}: decode", spent, decode, f"{row['tokens']} tokens, greedy")
     return float(row["decode_tps"])
 
@@ -309,7 +312,17 @@ def main() -> None:
     table = Table(
         title=f"Every stage at real sizes: int4-g128 (gate on {args.max_tokens} tokens), GGUF {args.gguf}"
     )
-    for col in ("shape", "checkpoint GB", "largest tensor MB", "stage", "s", "peak RSS MiB", "rate", "note"):
+    for col in (
+        "shape",
+        "checkpoint GB",
+        "largest tensor MB",
+        "stage",
+        "s",
+        "CPU s",
+        "peak RSS MiB",
+        "rate",
+        "note",
+    ):
         table.add_column(col, justify="left" if col in ("shape", "stage", "note") else "right")
     verdicts = []
     for shape in args.shapes:
@@ -323,7 +336,8 @@ def main() -> None:
             table.add_row(
                 *head,
                 r.stage,
-                f"{r.seconds:.2f}" if r.seconds < 10 else f"{r.seconds:.0f}",
+                _secs(r.seconds),
+                _secs(r.cpu_s),
                 f"{r.rss_mib:.0f}",
                 r.rate,
                 r.note,
@@ -337,6 +351,10 @@ def main() -> None:
         f"[dim]{len(os.sched_getaffinity(0))} CPUs, 1-min load average {os.getloadavg()[0]:.1f} at the end "
         "(other jobs slow the wall times, not the peaks); CLI rows include python's start[/dim]"
     )
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.2f}" if seconds < 10 else f"{seconds:.0f}"
 
 
 def targets(shape: str, rows: list[Row]) -> list[str]:
