@@ -139,6 +139,8 @@ def _nudge_last_layers(model: torch.nn.Module) -> None:
 
 SCALE_SHAPES = ("qwen2.5-1.5b", "qwen2.5-3b", "llama-3-8b")
 SCALE_VARIANTS = ("every-tensor", "two-layers")
+# Each new version's model version, so a device can install it over the base (1.0.0).
+SCALE_VERSIONS = {"every-tensor": "1.1.0", "two-layers": "1.2.0"}
 # A new version's float tensors move by this much of their std; of its packed int4 weights, this
 # share of the bytes has a nibble one step up or down: what requantizing a model whose weights
 # moved by about 1% of their std does to an int4-g128 artifact.
@@ -189,6 +191,7 @@ def _nudged_copy(src: Path, dest: Path, variant: str) -> None:
     data.flush()
     del data
     manifest["files"][WEIGHTS] = {"sha256": sha256_file(weights), "size": weights.stat().st_size}
+    manifest["model"]["version"] = SCALE_VERSIONS[variant]
     (dest / "sits-manifest.json").write_bytes(canonical_json(manifest))
 
 
@@ -233,11 +236,14 @@ BSDIFF_PATCH = "import sys, bsdiff4; bsdiff4.file_patch(*sys.argv[1:4])"
 
 @dataclass(frozen=True)
 class Run:
-    """One child process: wall seconds, peak RSS in MiB, and whether it finished in time."""
+    """One child process: wall seconds, peak RSS in MiB, whether it finished in time, and its CPU
+    seconds (user + system, its threads and children included: on a shared machine the wall time
+    grows with the load, this barely does)."""
 
     seconds: float
     rss_mib: float
     ok: bool
+    cpu_s: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -278,7 +284,8 @@ def run(cmd: list[str], timeout: float) -> Run:
         text = errors.read().decode(errors="replace")
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[0]} failed: {text[-500:]}")
-    return Run(seconds, int(text.rsplit("MAXRSS ", 1)[1].split()[0]) / 1024, ok=True)
+    words = text.rsplit("MAXRSS ", 1)[1].split()
+    return Run(seconds, int(words[0]) / 1024, ok=True, cpu_s=float(words[2]))
 
 
 _MEASURE = (
@@ -286,7 +293,7 @@ _MEASURE = (
     "pid = os.fork()\n"
     "if pid == 0:\n    os.execvp(sys.argv[1], sys.argv[1:])\n"
     "_, status, usage = os.wait4(pid, 0)\n"
-    "sys.stderr.write(f'MAXRSS {usage.ru_maxrss}\\n')\n"
+    "sys.stderr.write(f'MAXRSS {usage.ru_maxrss} CPU {usage.ru_utime + usage.ru_stime}\\n')\n"
     "sys.exit(os.waitstatus_to_exitcode(status))\n"
 )
 
@@ -461,8 +468,9 @@ def artifact_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
 
 
-def scale_steps(arts: dict[str, Path], work: Path) -> list[Step]:
-    """Baselines (hash, copy) on the base artifact, then create and apply for every variant."""
+def scale_steps(arts: dict[str, Path], work: Path, keep: str | None = None) -> list[Step]:
+    """Baselines (hash, copy) on the base artifact, then create and apply for every variant. The
+    patch of variant `keep` is left at work/<keep>.patch (for an install from it); the rest go."""
     base = arts["base"]
     # Hashed first, so every later step finds the base in the page cache as the baselines do.
     steps = [Step("-", "sha256 (baseline)", run([sys.executable, "-c", HASH_DIR, str(base)], 600))]
@@ -481,7 +489,8 @@ def scale_steps(arts: dict[str, Path], work: Path) -> list[Step]:
         _same(out / WEIGHTS, arts[variant] / WEIGHTS)
         steps.append(Step(variant, "apply (verifies base, patch, output)", applied))
         shutil.rmtree(out)
-        patch.unlink()
+        if variant != keep:
+            patch.unlink()
     return steps
 
 

@@ -2,6 +2,7 @@
 its steady and peak RSS as JSON. Imports only that engine (a llama.cpp row holds no torch).
 
     python -m bench.load_child ARTIFACT_DIR ENGINE SLOTS CONTEXT [--baseline] [--kv-cache-type T]
+        [--generate N]
 """
 
 from __future__ import annotations
@@ -10,8 +11,22 @@ import argparse
 import ctypes
 import gc
 import json
+import resource
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deployer.agent.engines.base import Engine
+
+# A prompt of a few dozen tokens, as a chat turn: what a first token waits for on a device.
+PROMPT = "Explain in two sentences why an edge device verifies a signed update before installing it."
+
+
+def _cpu() -> float:
+    """CPU seconds (user + system) this process has used so far, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _status() -> dict[str, int]:
@@ -25,14 +40,21 @@ def _status() -> dict[str, int]:
 
 
 def child(
-    directory: Path, engine: str, slots: int, context: int, baseline: bool, kv_cache_type: str = "auto"
+    directory: Path,
+    engine: str,
+    slots: int,
+    context: int,
+    baseline: bool,
+    kv_cache_type: str = "auto",
+    generate: int = 0,
 ) -> None:
     """Load `directory` on `engine` (llama.cpp: and warm it up, as the agent does before serving)
     and print its steady and peak RSS and the seconds it took, as JSON. `baseline` (torch): keep
     every mapped page of the weights until the load ends; `kv_cache_type` (torch): the KV cache's
-    storage (agent.kv_cache_type)."""
+    storage (agent.kv_cache_type). `generate` > 0: load through the engine, warm up, then answer
+    once (see the module docstring)."""
     started = time.perf_counter()
-    if engine == "torch":
+    if engine == "torch" and not generate:
         import torch
 
         from deployer.agent.engines.torch import loader
@@ -50,9 +72,7 @@ def child(
             kv_cache_type=kv_cache_type,
         )
     else:
-        from deployer.agent.engines.llamacpp.engine import LlamaCppEngine
-
-        engine_ = LlamaCppEngine(max_context=context, threads=2, slots=slots)
+        engine_ = _engine(engine, slots, context, kv_cache_type)
         engine_.load(directory)
         engine_.warmup()
         loaded = engine_
@@ -61,10 +81,58 @@ def child(
     status = _status()
     # What glibc keeps of the load's freed transients: RSS once malloc_trim hands it back.
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    trimmed = _status()["VmRSS"]
-    out = {"steady": status["VmRSS"], "peak": status["VmHWM"], "seconds": seconds, "trimmed": trimmed}
-    print(json.dumps(out))
+    row: dict[str, object] = {
+        "steady": status["VmRSS"],
+        "peak": status["VmHWM"],
+        "seconds": seconds,
+        "trimmed": _status()["VmRSS"],
+        "cpu": _cpu(),
+    }
+    if generate:
+        row |= _answer(engine_, generate)
+    print(json.dumps(row))
     del loaded
+
+
+def _engine(name: str, slots: int, context: int, kv_cache_type: str = "auto") -> Engine:
+    """The agent's engine `name` on the CPU with 2 threads (imported lazily: one engine a process)."""
+    if name == "torch":
+        from deployer.agent.engines.torch.engine import TorchEngine
+
+        return TorchEngine(
+            device="cpu", max_context=context, threads=2, slots=slots, kv_cache_type=kv_cache_type
+        )
+    from deployer.agent.engines.llamacpp.engine import LlamaCppEngine
+
+    return LlamaCppEngine(max_context=context, threads=2, slots=slots)
+
+
+def _answer(engine: Engine, tokens: int) -> dict[str, object]:
+    """One greedy chat answer of `tokens` tokens: first-token ms, decode tokens/s, RSS peak after."""
+    from deployer.agent.types import ChatMessage, SamplingParams
+
+    prompt = engine.chat_prompt([ChatMessage("user", PROMPT)])
+    banned = tuple((token, -1e9) for token in sorted(engine.end_ids))
+    params = SamplingParams(max_tokens=tokens, temperature=0, logit_bias=banned)
+    start, cpu = time.perf_counter(), _cpu()
+    stamps, pieces = [], []
+    for event in engine.stream(prompt, params):
+        if event.token_id is not None:  # the closing event may carry only its finish reason
+            stamps.append(time.perf_counter())
+            if len(stamps) == 1:
+                first_cpu = _cpu() - cpu
+        pieces.append(event.text)
+    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
+    return {
+        "prompt_tokens": len(prompt),
+        "tokens": len(stamps),
+        "first_token_s": stamps[0] - start,
+        "first_token_cpu": first_cpu,
+        "decode_cpu": _cpu() - cpu - first_cpu,
+        "decode_tps": decode,
+        "peak_after": _status()["VmHWM"],
+        "text": "".join(pieces)[:40],
+    }
 
 
 def main() -> None:
@@ -76,8 +144,17 @@ def main() -> None:
     parser.add_argument("context", type=int)
     parser.add_argument("--baseline", action="store_true")
     parser.add_argument("--kv-cache-type", default="auto")
+    parser.add_argument("--generate", type=int, default=0, help="then answer once with this many tokens")
     args = parser.parse_args()
-    child(args.directory, args.engine, args.slots, args.context, args.baseline, args.kv_cache_type)
+    child(
+        args.directory,
+        args.engine,
+        args.slots,
+        args.context,
+        args.baseline,
+        args.kv_cache_type,
+        args.generate,
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""`sits-deployer build` with the quality gate on a Qwen2.5-1.5B-shaped checkpoint, end to end.
+"""A Qwen2.5-1.5B-shaped checkpoint end to end: `sits-deployer build` with the quality gate, a delta
+to a new version, a signed install on a device root from the artifact and then from the patch, and
+the agent's torch engine loading it and answering once (bench/scale.py's stages, on one shape).
 
 The checkpoint is bench/shapes.py's (random bf16 weights, 3.1 GB in two shards with an index,
 Qwen2's q/k/v biases, GQA, a 151,936-row tied embedding), written once and cached. The build runs
@@ -9,15 +11,21 @@ peak stays near one layer and one window's logits, far below the 6 GB fp32 model
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from bench.delta import scale_artifacts
+from bench.scale import Stages, install_rows
 from bench.shapes import checkpoint
 from deployer.core.manifest import read_manifest
+from deployer.release.delta import create_patch
 from tests.build.conftest import EVAL_TEXT
 
 # The whole-model gate peaked near 4x the fp32 model; streaming keeps 1.5B well under this.
@@ -60,7 +68,7 @@ finally:
 
 
 @pytest.mark.long
-def test_a_1_5b_model_builds_with_the_gate_in_bounded_memory(tmp_path):
+def test_a_1_5b_model_builds_with_the_gate_ships_as_a_delta_installs_and_answers(tmp_path):
     source = checkpoint("qwen2.5-1.5b")
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text(DEPLOY.format(source=source, eval_text=EVAL_TEXT))
@@ -80,3 +88,20 @@ def test_a_1_5b_model_builds_with_the_gate_in_bounded_memory(tmp_path):
     assert manifest.quality is not None and manifest.quality.tokens == 256
     peak_mb = int(done.stderr.rsplit("VMHWM ", 1)[1].split()[0]) / 1024
     assert peak_mb < PEAK_RSS_LIMIT_MB, f"peak RSS {peak_mb:.0f} MB"
+
+    artifact = Path(result["artifact_dir"])
+    versions = scale_artifacts("qwen2.5-1.5b", tmp_path / "versions", artifact)
+    shutil.rmtree(versions.pop("two-layers"))
+    versions["patch"] = tmp_path / "every-tensor.patch"
+    create_patch(artifact, versions["every-tensor"], versions["patch"])
+    stages = Stages("qwen2.5-1.5b", None, Console(file=io.StringIO()))
+    install_rows(stages, versions, tmp_path / "install")  # raises if sits-agent refuses either
+    assert [row.stage.split()[:2] for row in stages.rows] == [["install", "1.0.0"], ["install", "1.1.0"]]
+    answer = subprocess.run(
+        [sys.executable, "-m", "bench.load_child", str(artifact), "torch", "1", "512", "--generate", "4"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    row = json.loads(answer.stdout.strip().splitlines()[-1])
+    assert row["tokens"] == 4 and row["text"]
