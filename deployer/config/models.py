@@ -203,6 +203,8 @@ class Quantization(_Model):
     decoder linear int4-g128, int4-g32 or int8, chosen by its sensitivity measured on
     ``calibration`` (the estimated KL increase with that linear alone changed), greedily by KL
     removed per byte within ``max_size``; the choice and the measurements go in the manifest.
+    Measured on SmolLM2 (held-out text): ``auto`` at 4.8 bits per weight +3.0 % perplexity, mean
+    KL 0.034, where ``layered`` (7.2 bits) gives +16.3 %, 0.163 (docs/concepts.md).
 
     int4 groups keep their own range where that fits them best (artifact format 2). ``awq``:
     activation-aware scaling (torch engine): per-input-channel scales searched on
