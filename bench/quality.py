@@ -19,6 +19,10 @@ decoder's linear layers; quantization seconds (wall, gate excluded); decode toke
 of each GGUF on llama.cpp (2 threads, greedy, 64 tokens after a short prompt). `--baseline-repo`
 adds the int4 rows of another checkout (e.g. main before exact-range int4) built in a subprocess.
 
+`--rows auto` builds the measured mixed precision (`scheme: auto`) at three budgets: halfway from
+int4-g128's stored size to int4-g32's, int4-g32's, and halfway from int4-g32's to int8's; beside
+the same run's int4-g128, int4-g32, int8 and the fixed `layered` preset.
+
 Run: PYTHONPATH=. .venv/bin/python bench/quality.py [--models smollm2,trained] [--baseline-repo ../main]
      [--llama-tools ~/.cache/sits-deployer/llama-cpp/<key>/llama_cpp_python-<v>/vendor/llama.cpp/build/bin]
 """
@@ -27,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +55,7 @@ from deployer.build.progress import SilentProgress
 from deployer.build.source import open_source
 from deployer.build.spec import AwqSpec, BuildRequest, GateSpec, LlamaQuantSpec, QuantSpec
 from deployer.core.calibration import DEFAULT_CALIBRATION
+from deployer.core.safetensors_io import DTYPE_SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_TEXT = ROOT / "examples" / "data" / "eval.txt"
@@ -171,6 +178,35 @@ def ours(source: Path, work: Path, gate: GateSpec) -> list[Row]:
         )
         result = build_artifact(request, progress=timer)
         rows.append(_row(label, result.quality, timer))
+    return rows
+
+
+def auto(source: Path, work: Path, gate: GateSpec) -> list[Row]:
+    """`scheme: auto` at three budgets set by the same run's int4-g128, int4-g32 and int8 builds
+    (their stored tensors' bytes), and the fixed `layered` preset."""
+    rows, sizes = [], {}
+    for label, spec in (
+        ("int4-g128", QuantSpec("int4", 128)),
+        ("int4-g32", QuantSpec("int4", 32)),
+        ("int8", QuantSpec("int8")),
+        ("layered (fixed)", QuantSpec("layered")),
+    ):
+        timer = _GateTimer()
+        request = BuildRequest(source, "bench", "1.0.0", spec, work / "auto", gate, use_cache=False)
+        result = build_artifact(request, progress=timer)
+        rows.append(_row(label, result.quality, timer))
+        manifest = read_manifest(result.artifact_dir)
+        sizes[label] = sum(DTYPE_SIZES[t.dtype] * math.prod(t.shape) for t in manifest.tensors.values())
+    small, g32, large = sizes["int4-g128"], sizes["int4-g32"], sizes["int8"]
+    for budget in ((small + g32) // 2, g32, (g32 + large) // 2):
+        timer = _GateTimer()
+        spec = QuantSpec("auto", max_size=budget)
+        request = BuildRequest(source, "bench", "1.0.0", spec, work / "auto", gate, use_cache=False)
+        result = build_artifact(request, progress=timer)
+        choices = read_manifest(result.artifact_dir).quantization.spec.auto
+        counts = Counter(m.choice for m in choices.modules.values()) if choices else Counter()
+        mix = ", ".join(f"{counts[c]} {c}" for c in ("int4-g128", "int4-g32", "int8") if counts[c])
+        rows.append(_row(f"auto, max_size {budget / 1e6:.1f}M ({mix})", result.quality, timer))
     return rows
 
 
@@ -354,7 +390,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2,trained")
     parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--rows", default="ours,gguf", help="ours (torch engine), gguf (llama.cpp)")
+    parser.add_argument(
+        "--rows",
+        default="ours,gguf",
+        help="ours (torch engine), gguf (llama.cpp), auto (measured mixed precision)",
+    )
     parser.add_argument("--steps", type=int, default=300, help="training steps of the second model")
     parser.add_argument("--baseline-repo", type=Path, help="also build int4 with this checkout's code")
     parser.add_argument(
@@ -376,6 +416,8 @@ def main() -> None:
         for i, (name, source) in enumerate(models.items()):
             out = work / f"model{i}"
             rows = [*ours(source, out, gate)] if "ours" in args.rows else []
+            if "auto" in args.rows:
+                rows += auto(source, out, gate)
             if "gguf" in args.rows:
                 rows += [*gguf(source, out, gate), *llama(source, out, gate)]
                 if quality.llama_cpp_available():

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deployer import __version__
-from deployer.build import awq, gptq, quality
+from deployer.build import awq, gptq, mixed, quality
 from deployer.build.artifact import (
     WEIGHTS_NAME,
     ArtifactWeights,
@@ -32,8 +32,15 @@ from deployer.build.artifact import (
 )
 from deployer.build.progress import BuildProgress, SilentProgress
 from deployer.build.quantize import TensorPlan, plan_tensor, quantize_tensor
-from deployer.build.source import SourceModel, check_shapes, iter_tensors, open_source, source_sha256
-from deployer.build.spec import AwqSpec, BuildRequest, BuildResult, QualityReport
+from deployer.build.source import (
+    SourceModel,
+    SourceTensor,
+    check_shapes,
+    iter_tensors,
+    open_source,
+    source_sha256,
+)
+from deployer.build.spec import AwqSpec, BuildRequest, BuildResult, QualityReport, QuantSpec
 from deployer.build.store import Store, build_key
 from deployer.core.hashing import sha256_file
 from deployer.core.quant_layout import ModuleQuant
@@ -131,9 +138,12 @@ def _build(request: BuildRequest, progress: BuildProgress, started: float) -> Bu
 
 
 def _calibration(request: BuildRequest) -> awq.Calibration | None:
-    """The calibration text the build reads (AWQ's, or llama.cpp's importance matrix's), checked."""
+    """The calibration text the build reads (AWQ's, auto's, or llama.cpp's importance matrix's),
+    checked."""
     if request.awq is not None:
         return awq.read_calibration(request.awq)
+    if request.quant.scheme == "auto":
+        return awq.read_calibration(AwqSpec(request.quant.calibration))
     if request.llama_quant is not None and request.llama_quant.uses_imatrix:
         return awq.read_calibration(AwqSpec(request.llama_quant.calibration))
     return None
@@ -168,12 +178,14 @@ def _cache_inputs(
             hint="calibrate and evaluate on different texts: the gate must score text the "
             "quantizer never saw",
         )
-    # The calibration text shapes AWQ's scales, GPTQ's rounding or llama.cpp's importance matrix
-    # (each key only when used, so existing caches stay valid).
+    # The calibration text shapes AWQ's scales, GPTQ's rounding, auto's choice or llama.cpp's
+    # importance matrix (each key only when used, so existing caches stay valid).
     awq_inputs: dict[str, Any] = {}
     if calibration is not None:
         used = {"calibration_sha256": calibration.sha256}
-        if request.awq is None:
+        if request.quant.scheme == "auto":
+            awq_inputs["auto"] = used
+        elif request.awq is None:
             awq_inputs["imatrix"] = used
         if request.awq is not None and request.awq.scales:
             awq_inputs["awq"] = used
@@ -227,10 +239,17 @@ def _write_weights(
     progress: BuildProgress,
     calibration: awq.Calibration | None,
 ) -> _Written:
+    quant, spec = request.quant, dict[str, Any]()
+    if calibration is not None and quant.scheme == "auto":
+        shapes = {t.name: t.entry.shape for t in _stored_tensors(source)}
+        choice = mixed.choose(source, quant, shapes, calibration, progress.stage)
+        quant, spec = choice.spec, {"auto": choice.record(calibration)}
+    # AWQ and GPTQ work on the precisions auto chose (measured on the unscaled weights).
     folds = None
     if calibration is not None and request.awq is not None:
-        folds = awq.search_folds(source, request.quant, request.awq, calibration, progress.stage)
-    plans = _plans(source, request)
+        folds = awq.search_folds(source, quant, request.awq, calibration, progress.stage)
+        spec |= _awq_record(request, calibration, folds)
+    plans = _plans(source, quant)
     total_bytes = sum(source_tensor.entry.length for source_tensor in source.tensors)
     writer = WeightsWriter(staged / WEIGHTS_NAME, (t for p in plans.values() for t in p.outputs))
     progress.stage(f"quantizing {len(plans)} tensors ({request.quant.label}) from {source.path}")
@@ -258,7 +277,7 @@ def _write_weights(
         len(writer.records),
         writer.size,
         lambda: nullcontext(ArtifactWeights(staged, modules)),
-        spec=_awq_record(request, calibration, folds),
+        spec=spec,
     )
 
 
@@ -346,14 +365,14 @@ def _gguf_gate_runtime() -> str:
     return "llama.cpp" if quality.llama_cpp_available() else "torch"
 
 
-def _plans(source: SourceModel, request: BuildRequest) -> dict[str, TensorPlan]:
-    """A plan per stored source tensor; a tied output head is stored once, as the embedding."""
-    plans = {}
-    for t in source.tensors:
-        if t.name == "lm_head.weight" and source.tied_embeddings:
-            continue
-        plans[t.name] = plan_tensor(request.quant, t.name, t.entry.shape)
-    return plans
+def _stored_tensors(source: SourceModel) -> list[SourceTensor]:
+    """The source tensors the artifact stores: a tied output head is stored once, as the embedding."""
+    return [t for t in source.tensors if not (t.name == "lm_head.weight" and source.tied_embeddings)]
+
+
+def _plans(source: SourceModel, quant: QuantSpec) -> dict[str, TensorPlan]:
+    """A plan per stored source tensor."""
+    return {t.name: plan_tensor(quant, t.name, t.entry.shape) for t in _stored_tensors(source)}
 
 
 def _gate(

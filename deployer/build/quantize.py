@@ -55,6 +55,8 @@ def module_scheme(spec: QuantSpec, module: str) -> tuple[str, int]:
 
     The first override whose pattern matches wins; then the "layered" preset picks int4 for
     attention and int8 for MLP modules (anything else fp16); otherwise the top-level scheme.
+    "auto" arrives here resolved (`mixed.choose`): its choices are overrides naming each decoder
+    linear, and what it does not choose (embeddings, head) stays fp16.
     """
     for override in spec.overrides:
         if fnmatch.fnmatchcase(module, override.pattern):
@@ -63,6 +65,8 @@ def module_scheme(spec: QuantSpec, module: str) -> tuple[str, int]:
         if ".self_attn." in module:
             return "int4", spec.group_size
         return ("int8" if ".mlp." in module else "fp16"), spec.group_size
+    if spec.scheme == "auto":
+        return DEFAULT_HEAD_SCHEME, spec.group_size
     return spec.scheme, spec.group_size
 
 

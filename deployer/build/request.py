@@ -23,10 +23,13 @@ def request_from_config(config: Config, *, use_cache: bool = True) -> BuildReque
     if quant.awq or quant.gptq:
         calibration = config.resolve(quant.calibration) if quant.calibration else None
         awq = AwqSpec(calibration, scales=quant.awq, gptq=quant.gptq)
+    auto = quant.scheme == "auto"
     spec = QuantSpec(
         scheme=quant.scheme,
         group_size=quant.group_size,
         overrides=tuple(Override(o.pattern, o.scheme, o.group_size) for o in quant.overrides),
+        max_size=quant.max_size,
+        calibration=config.resolve(quant.calibration) if auto and quant.calibration else None,
     )
     llama_quant = None
     if quant.gguf_type is not None and config.agent.engine == "llama.cpp":

@@ -14,7 +14,8 @@ from deployer.core.manifest import FLOAT_SCHEMES, FORMAT_VERSION, INTEGER_SCHEME
 from deployer.errors import BuildError
 
 SCHEMES = FLOAT_SCHEMES + INTEGER_SCHEMES
-PRESETS = ("layered",)
+# "layered": a fixed rule (attention int4, MLP int8); "auto": measured per linear within max_size.
+PRESETS = ("layered", "auto")
 FORMATS = ("safetensors", "gguf")  # gguf: one GGUF file for the llama.cpp engine
 GGUF_INT4_TYPES = ("Q4_1", "Q4_0")  # what int4 weights become in a GGUF (Q4_1 first: the default)
 # Whole-model recipes of llama.cpp's own quantizer (llama-quantize's names), for `gguf_type`.
@@ -62,23 +63,37 @@ class Override:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """The quantization asked for: a scheme or the "layered" preset, the int4 group size, and
-    per-module overrides (the first matching pattern wins; overrides beat the preset)."""
+    """The quantization asked for: a scheme or a preset, the int4 group size, and per-module
+    overrides (the first matching pattern wins; overrides beat the preset). The "auto" preset
+    needs `max_size` (bytes of the stored tensors) and measures on `calibration` (None: the text
+    shipped with the package); neither means anything for another scheme."""
 
     scheme: str
     group_size: int = DEFAULT_GROUP_SIZE
     overrides: tuple[Override, ...] = ()
+    max_size: int | None = None
+    calibration: Path | None = None
 
     def __post_init__(self) -> None:
         _check_scheme(self.scheme, SCHEMES + PRESETS, "model.quantization")
         _check_group_size(self.group_size, "model.quantization")
+        if (self.scheme == "auto") != (self.max_size is not None):
+            raise BuildError(
+                "model.quantization.max_size: scheme auto needs a size budget, and only it uses one",
+                hint="write scheme: auto with max_size (e.g. 120M), or remove max_size",
+            )
+        if self.calibration is not None and self.scheme != "auto":
+            raise BuildError("internal: a calibration text in the QuantSpec of a scheme other than auto")
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest form, exactly as asked (presets are not expanded here)."""
+        """The manifest form, exactly as asked (presets are not expanded here; `max_size` only
+        for auto, so other specs keep their bytes; the calibration text goes in by its sha256)."""
+        budget = {"max_size": self.max_size} if self.max_size is not None else {}
         return {
             "scheme": self.scheme,
             "group_size": self.group_size,
             "overrides": [o.to_json() for o in self.overrides],
+            **budget,
         }
 
     @property
@@ -88,8 +103,8 @@ class QuantSpec:
 
     @property
     def uses_int4(self) -> bool:
-        """True when some module may be stored int4 (the scheme, the preset or an override)."""
-        return self.scheme in ("int4", "layered") or any(o.scheme == "int4" for o in self.overrides)
+        """True when some module may be stored int4 (the scheme, a preset or an override)."""
+        return self.scheme in ("int4", *PRESETS) or any(o.scheme == "int4" for o in self.overrides)
 
 
 @dataclass(frozen=True)
@@ -178,6 +193,12 @@ class BuildRequest:
                 f"model.quantization.{field}: calibrated int4 (awq, gptq) is built for the torch "
                 "engine's artifacts, not GGUF",
                 hint=f"remove `{field}: true`, or use agent.engine: torch",
+            )
+        if self.quant.scheme == "auto" and self.format == "gguf":
+            raise BuildError(
+                "model.quantization.scheme: auto chooses among the torch engine's int4 and int8 "
+                "layouts, not GGUF types",
+                hint="use agent.engine: torch, or gguf_type: Q4_K_M for llama.cpp's own mixed recipe",
             )
         if self.llama_quant is not None and self.format != "gguf":
             raise BuildError(

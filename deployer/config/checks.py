@@ -18,7 +18,7 @@ from pathlib import Path
 
 from deployer.config import fit
 from deployer.config.adapters import adapter_findings, adapter_memory
-from deployer.config.estimate import SMOLLM2_SHAPE, ModelShape, estimate_memory
+from deployer.config.estimate import SMOLLM2_SHAPE, ModelShape, auto_size_bounds, estimate_memory
 from deployer.config.findings import FieldPath, Finding
 from deployer.config.keyfiles import KeyProblem, private_key_problem, public_key_problem
 from deployer.config.models import (
@@ -86,6 +86,7 @@ def run_checks(given: CheckInput) -> list[Finding]:
     shape, model_findings = _model_findings(given)
     if given.model is not None:
         model_findings += adapter_findings(given.model, shape, given.positions, given.resolve)
+        model_findings += _auto_findings(given, given.model, shape)
     findings += model_findings + _engine_findings(given) + _agent_findings(given) + _fallback_findings(given)
     if given.fleet is not None and given.profiles is not None:
         used = {d.profile for d in given.fleet if d.profile}
@@ -252,12 +253,14 @@ def _calibration_findings(given: CheckInput, model: ModelSpec) -> list[Finding]:
     unseen text)."""
     quant, gate = model.quantization, model.quality_gate
     at = ("model", "quantization", "calibration")
-    calibrated = quant.awq or quant.gptq or quant.uses_imatrix
-    if quant.calibration is not None and not calibrated:
-        hint = "set awq: true or gptq: true (torch) or gguf_type: Q4_K_M (llama.cpp), or remove calibration"
-        message = "calibration is used only with awq, gptq or a K-quant gguf_type"
+    if quant.calibration is not None and not quant.uses_calibration:
+        hint = (
+            "set awq: true, gptq: true or scheme: auto (torch), or gguf_type: Q4_K_M (llama.cpp), "
+            "or remove calibration"
+        )
+        message = "calibration is used only with awq, gptq, scheme auto or a K-quant gguf_type"
         return [given.positions.finding(at, message, hint)]
-    if not calibrated:
+    if not quant.uses_calibration:
         return []
     path = given.resolve(quant.calibration) if quant.calibration else DEFAULT_CALIBRATION
     if not path.is_file():
@@ -286,6 +289,48 @@ def _calibration_findings(given: CheckInput, model: ModelSpec) -> list[Finding]:
             )
         ]
     return []
+
+
+def _auto_findings(given: CheckInput, model: ModelSpec, shape: ModelShape | None) -> list[Finding]:
+    """`scheme: auto` needs `max_size`, which nothing else uses, one that its smallest choice fits
+    (checked when the model's shape is known), and the torch engine's layouts."""
+    quant = model.quantization
+    at = ("model", "quantization")
+    if quant.scheme != "auto":
+        if quant.max_size is None:
+            return []
+        message = f"max_size is used only with scheme auto, not {quant.scheme}"
+        return [given.positions.finding((*at, "max_size"), message, "set scheme: auto, or remove max_size")]
+    if quant.max_size is None:
+        return [
+            given.positions.finding(
+                (*at, "scheme"),
+                "scheme auto needs max_size, the budget of the stored weights it chooses within",
+                "add max_size (bytes, or a quantity like 120M) under model.quantization",
+            )
+        ]
+    findings = []
+    if given.agent is not None and given.agent.engine == "llama.cpp":
+        findings.append(
+            given.positions.finding(
+                (*at, "scheme"),
+                "scheme auto chooses among the torch engine's int4 and int8 layouts, not GGUF types",
+                "use agent.engine: torch, or gguf_type: Q4_K_M for llama.cpp's own mixed recipe",
+            )
+        )
+    if shape is not None:
+        low, high = auto_size_bounds(shape, quant)
+        if quant.max_size < low:
+            findings.append(
+                given.positions.finding(
+                    (*at, "max_size"),
+                    f"max_size {quant.max_size:,} bytes is below the smallest choice of scheme auto: "
+                    f"{low:,} bytes ({low / 1e6:.1f} MB, every decoder linear int4 group 128; all int8 "
+                    f"would be {high / 1e6:.1f} MB)",
+                    f"raise max_size to at least {low} (bytes), or choose a scheme yourself",
+                )
+            )
+    return findings
 
 
 def _engine_findings(given: CheckInput) -> list[Finding]:

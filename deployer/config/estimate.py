@@ -12,6 +12,7 @@ in deployer/core/memory.py.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 from deployer.config.models import AgentSettings, ModelSpec, Quantization
@@ -24,6 +25,7 @@ from deployer.core.memory import (
     engine_bytes,
     int4_bytes,
     kv_bytes_per_position,
+    linear_bytes,
     torch_cpu_tables_delta,
 )
 
@@ -31,6 +33,7 @@ __all__ = [
     "SMOLLM2_SHAPE",
     "MemoryEstimate",
     "ModelShape",
+    "auto_size_bounds",
     "draft_bytes",
     "estimate_memory",
     "resident_weight_bytes",
@@ -62,8 +65,44 @@ class MemoryEstimate:
         return weights + self.kv_cache + self.engine + self.adapters
 
 
+def auto_size_bounds(shape: ModelShape, quantization: Quantization) -> tuple[int, int]:
+    """The stored tensors' bytes of ``scheme: auto`` with every decoder linear it chooses for at
+    int4-g128 (its smallest choice) and at int8 (its largest): the build's exact sizes for a model
+    without biases (a bias adds its bytes to both), linears that an override names at theirs,
+    embeddings fp16 and norms fp32 as the build stores them."""
+    low = high = 2 * shape.embedding_params + (2 * shape.layers + 1) * shape.hidden * 4
+    for module, (out_features, in_features) in _linears(shape).items():
+        scheme, group = quantization.scheme_for(module)
+        matched = any(fnmatch.fnmatchcase(module, o.pattern) for o in quantization.overrides)
+        if matched:
+            fixed = linear_bytes(scheme, group, out_features, in_features)
+            low, high = low + fixed, high + fixed
+        else:
+            low += linear_bytes("int4", 128, out_features, in_features)
+            high += linear_bytes("int8", None, out_features, in_features)
+    return low, high
+
+
+def _linears(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(out, in) of every decoder linear, by module name."""
+    attention, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = {
+        "self_attn.q_proj": (attention, shape.hidden),
+        "self_attn.k_proj": (kv, shape.hidden),
+        "self_attn.v_proj": (kv, shape.hidden),
+        "self_attn.o_proj": (shape.hidden, attention),
+        "mlp.gate_proj": (shape.intermediate, shape.hidden),
+        "mlp.up_proj": (shape.intermediate, shape.hidden),
+        "mlp.down_proj": (shape.hidden, shape.intermediate),
+    }
+    return {f"model.layers.{i}.{name}": dims for i in range(shape.layers) for name, dims in per_layer.items()}
+
+
 def weight_bytes(shape: ModelShape, quantization: Quantization) -> int:
-    """Bytes of the stored weights at ``quantization`` (see docs/artifact-format.md)."""
+    """Bytes of the stored weights at ``quantization`` (see docs/artifact-format.md); for
+    ``scheme: auto``, its bound: ``max_size``, or all it may choose at int8 when that is less."""
+    if quantization.scheme == "auto" and quantization.max_size is not None:
+        return min(quantization.max_size, auto_size_bounds(shape, quantization)[1])
     attention = _bytes_per_param(quantization, "model.layers.0.self_attn.q_proj")
     mlp = _bytes_per_param(quantization, "model.layers.0.mlp.up_proj")
     embedding = FLOAT_BYTES.get(quantization.scheme, 2.0)
@@ -91,7 +130,7 @@ def resident_weight_bytes(shape: ModelShape, quantization: Quantization, agent: 
     CPU runs the output head of an integer-quantized model on int8 weights it quantizes at load
     (loader._int8_head) and looks its float embedding up in the mapped file (torch_cpu_tables_delta)."""
     stored = weight_bytes(shape, quantization)
-    integer = quantization.scheme in ("int8", "int4", "layered") or any(
+    integer = quantization.scheme in ("int8", "int4", "layered", "auto") or any(
         o.scheme in ("int8", "int4") for o in quantization.overrides
     )
     if agent.engine != "torch" or agent.device == "cuda" or not integer:

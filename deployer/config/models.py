@@ -61,7 +61,7 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 DEVICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
-Scheme = Literal["fp32", "fp16", "bf16", "int8", "int4", "layered"]
+Scheme = Literal["fp32", "fp16", "bf16", "int8", "int4", "layered", "auto"]
 GroupSize = Literal[32, 64, 128]
 GGUFInt4 = Literal["Q4_1", "Q4_0"]  # the gguf package quantizes these two 4-bit types (not the K-quants)
 # llama.cpp's own quantizer's whole-model recipes (deployer/build/spec.py: LLAMA_QUANT_TYPES).
@@ -199,6 +199,12 @@ class QuantOverride(_Model):
 
 class Quantization(_Model):
     """How weights are stored. ``layered``: embeddings/head fp16, attention int4, MLP int8.
+    ``auto`` (torch engine; needs ``max_size``, the stored tensors' bytes, e.g. ``120M``): each
+    decoder linear int4-g128, int4-g32 or int8, chosen by its sensitivity measured on
+    ``calibration`` (the estimated KL increase with that linear alone changed), greedily by KL
+    removed per byte within ``max_size``; the choice and the measurements go in the manifest.
+    Measured on SmolLM2 (held-out text): ``auto`` at 4.8 bits per weight +3.0 % perplexity, mean
+    KL 0.034, where ``layered`` (7.2 bits) gives +16.3 %, 0.163 (docs/concepts.md).
 
     int4 groups keep their own range where that fits them best (artifact format 2). ``awq``:
     activation-aware scaling (torch engine): per-input-channel scales searched on
@@ -226,6 +232,7 @@ class Quantization(_Model):
     scheme: Scheme = "int8"
     group_size: GroupSize = 128
     overrides: list[QuantOverride] = []
+    max_size: Memory | None = None
     awq: bool = False
     gptq: bool = False
     calibration: FilePath | None = None
@@ -238,11 +245,18 @@ class Quantization(_Model):
         """True when llama.cpp's quantizer is given an importance matrix (so a calibration text)."""
         return self.imatrix and self.gguf_type in IMATRIX_GGUF_TYPES
 
+    @property
+    def uses_calibration(self) -> bool:
+        """True when the build reads a calibration text (awq, gptq, auto or an importance matrix)."""
+        return self.awq or self.gptq or self.scheme == "auto" or self.uses_imatrix
+
     def scheme_for(self, module: str) -> tuple[Scheme, int]:
         """(scheme, group size) of a linear module such as 'model.layers.0.mlp.up_proj'.
 
         The first override whose pattern matches wins; then ``layered`` picks int4 for attention
-        and int8 for MLP modules (anything else fp16); otherwise the top-level scheme applies.
+        and int8 for MLP modules (anything else fp16); ``auto`` int8, the widest it may choose
+        for a decoder linear (what it chooses is known only once built); otherwise the top-level
+        scheme applies.
         """
         for override in self.overrides:
             if fnmatch.fnmatchcase(module, override.pattern):
@@ -251,6 +265,8 @@ class Quantization(_Model):
             if ".self_attn." in module:
                 return "int4", self.group_size
             return ("int8" if ".mlp." in module else "fp16"), self.group_size
+        if self.scheme == "auto":
+            return "int8", self.group_size
         return self.scheme, self.group_size
 
 

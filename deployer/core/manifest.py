@@ -85,20 +85,40 @@ class GgufInfo(_Strict):
     imatrix: ImatrixInfo | None
 
 
+class AutoModuleInfo(_Strict):
+    """One decoder linear of `scheme: auto`: the precision chosen, and the estimated mean KL per
+    token (reference || quantized) of each precision, measured with that linear alone changed."""
+
+    choice: Literal["int4-g128", "int4-g32", "int8"]
+    kl: dict[str, float]
+
+
+class AutoInfo(_Strict):
+    """Measured mixed precision (format 2): the calibration text it measured on, how many of its
+    tokens, the stored tensors' bytes, and each chosen linear's record."""
+
+    calibration_sha256: str = Field(pattern=SHA256_PATTERN)
+    tokens: int = Field(ge=1)
+    size: int = Field(ge=0)
+    modules: dict[str, AutoModuleInfo]
+
+
 class SpecInfo(_Strict):
-    """The quantization spec, as asked (presets not expanded); `awq` and `gguf` only in format 2,
-    and absent (not null) when not used, so format 1 manifests keep their bytes."""
+    """The quantization spec, as asked (presets not expanded); `max_size`, `auto`, `awq` and `gguf`
+    only in format 2, and absent (not null) when not used, so format 1 manifests keep their bytes."""
 
     scheme: str
     group_size: int
     overrides: list[OverrideInfo]
+    max_size: int | None = Field(default=None, ge=1)
+    auto: AutoInfo | None = None
     awq: AwqInfo | None = None
     gguf: GgufInfo | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        for key in ("awq", "gguf"):
+        for key in ("max_size", "auto", "awq", "gguf"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -201,7 +221,12 @@ def parse_manifest(data: bytes, where: str) -> ArtifactManifest:
             hint="the artifact is corrupt or from an incompatible builder; rebuild it",
         ) from exc
     spec = manifest.quantization.spec
-    for key, value in (("awq", spec.awq), ("gguf", spec.gguf)):
+    for key, value in (
+        ("max_size", spec.max_size),
+        ("auto", spec.auto),
+        ("awq", spec.awq),
+        ("gguf", spec.gguf),
+    ):
         if manifest.format_version == 1 and value is not None:
             raise FormatError(
                 f"{where}: invalid manifest: quantization.spec.{key} needs format_version 2",

@@ -26,6 +26,7 @@ __all__ = [
     "engine_bytes",
     "int4_bytes",
     "kv_bytes_per_position",
+    "linear_bytes",
     "lora_bytes",
     "torch_cpu_tables_delta",
 ]
@@ -147,6 +148,22 @@ def int4_bytes(group: int) -> float:
     """Bytes a parameter of int4 with groups of `group`: two values a byte, plus an fp16 scale
     and a u8 zero point per group."""
     return 0.5 + 3 / group
+
+
+def linear_bytes(scheme: str, group: int | None, out_features: int, in_features: int) -> int:
+    """Exact stored bytes of one linear's weight under `scheme` (docs/artifact-format.md): int4
+    packs two values a byte over columns padded to whole groups, with an fp16 scale and an fp16
+    zero point per group; int8 a byte a weight and an fp16 scale a row; float schemes their width.
+    The build's plans store exactly this (`quantize.plan_tensor`), and validate's bounds of
+    `scheme: auto` count it."""
+    if scheme == "int4":
+        if group is None:
+            raise ValueError("int4 needs a group size")
+        groups = -(-in_features // group)
+        return out_features * (groups * group // 2 + 4 * groups)
+    if scheme == "int8":
+        return out_features * (in_features + 2)
+    return int(out_features * in_features * FLOAT_BYTES[scheme])
 
 
 def kv_bytes_per_position(shape: ModelShape, engine: str, kv_cache_type: str = "auto") -> int:

@@ -55,7 +55,10 @@ def test_calibration_needs_awq(write_config, tmp_path):
     quant = QUANT.replace("    awq: true\n", "")
     findings = _findings(write_config, tmp_path, DEFAULT_CALIBRATION.read_bytes(), quant=quant)
     assert [(f.path, f.message) for f in findings] == [
-        ("model.quantization.calibration", "calibration is used only with awq, gptq or a K-quant gguf_type")
+        (
+            "model.quantization.calibration",
+            "calibration is used only with awq, gptq, scheme auto or a K-quant gguf_type",
+        )
     ]
     # GPTQ rounding reads the calibration text too.
     gptq = QUANT.replace("    awq: true\n", "    gptq: true\n")

@@ -25,13 +25,15 @@ ENGINES = [
 ]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path, engine: str) -> None:
-    workdir = tmp_path / "demo"
+def _demo(workdir: Path, *options: str) -> str:
+    """The demo's output, run as a user runs it with `options` (fewer fine-tune steps); it must
+    succeed."""
     result = subprocess.run(
         [
             *(sys.executable, "-m", "deployer", "demo", "--workdir", str(workdir)),
-            *("--finetune-steps", "10", "--engine", engine),
+            "--finetune-steps",
+            "10",
+            *options,
         ],
         capture_output=True,
         text=True,
@@ -41,6 +43,13 @@ def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path, engine: str) -> None
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path, engine: str) -> None:
+    workdir = tmp_path / "demo"
+    out = _demo(workdir, "--engine", engine)
     assert re.search(r"Traffic during the canary rollout: \d+ ok, 0 failed", out), out[-4000:]
     sizes = re.search(r"Patch v1 -> v2: ([\d.]+) MB against ([\d.]+) MB", out)
     assert sizes, out[-4000:]
@@ -85,3 +94,20 @@ def _assert_the_adapter_act(out: str) -> None:
     assert base and tuned, out[-4000:]
     assert int(base[1]) > 0 and base[2] == "0", base[0]
     assert int(tuned[1]) > 0 and tuned[2] == "0", tuned[0]
+
+
+def test_demo_builds_int4_group_128_under_the_gate_it_prints(tmp_path: Path) -> None:
+    """`sits-deployer demo --quantization int4-g128`, as the README says: v1 and v2 are int4 group
+    128 with awq, gated by the looser limits the demo prints, and the story runs to its end."""
+    from deployer.demo.run import QUANTIZATIONS
+
+    out = _demo(tmp_path / "demo", "--quantization", "int4-g128")
+    chosen = QUANTIZATIONS["int4-g128"]
+    assert "deploy.yaml (int4-g128):" in out, out[-4000:]
+    for key, limit in chosen.gate.items():
+        assert f"{key}: {limit}" in out, out[-4000:]
+    assert "Build v1: SmolLM2-135M-Instruct, int4 group 128 with awq safetensors, quality-gated" in out
+    # Every device answered v2, and no request failed while it rolled out.
+    assert len(re.findall(r"│ dev\d\s+│ 1\.1\.0\s+│ torch ", out)) == 6, out[-4000:]
+    assert re.search(r"Traffic during the canary rollout: \d+ ok, 0 failed", out), out[-4000:]
+    assert "Demo finished" in out
