@@ -43,6 +43,7 @@ from deployer.build.source import (
 from deployer.build.spec import AwqSpec, BuildRequest, BuildResult, QualityReport, QuantSpec
 from deployer.build.store import Store, build_key
 from deployer.core.hashing import sha256_file
+from deployer.core.memory import release_freed_heap
 from deployer.core.quant_layout import ModuleQuant
 from deployer.errors import BuildError
 
@@ -380,6 +381,7 @@ def _gate(
 ) -> QualityReport | None:
     if request.gate is None:
         return None
+    release_freed_heap()  # the quantizer's freed tensors, before the gate's layers need memory
     progress.stage(f"quality gate: scoring on up to {request.gate.max_tokens} tokens ({written.runtime})")
     with written.quantized() as quantized:
         measured = quality.measure(source, quantized, request.gate, written.bits_per_weight)

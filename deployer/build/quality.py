@@ -33,6 +33,7 @@ from deployer.build.source import SourceModel, SourceTensor, read_rows
 from deployer.build.spec import GateSpec, QualityReport
 from deployer.core.hashing import sha256_file
 from deployer.core.manifest import QualityInfo
+from deployer.core.memory import release_freed_heap
 from deployer.core.quant_layout import ModuleQuant
 from deployer.core.safetensors_io import DTYPE_SIZES
 from deployer.errors import BuildError, QualityGateError, SourceModelError
@@ -343,6 +344,7 @@ class _Decoder:
                 for h, p, r in zip(states, positions, rope, strict=True)
             ]
             layer.to("meta")  # drops this layer's weights
+            release_freed_heap()  # and hands them back, so layers do not pile up in glibc's heap
         self._load(self._norm, f"{self._prefix}norm.", weights)
         normed = [self._norm(h)[0] for h in states]
         self._norm.to("meta")

@@ -51,7 +51,6 @@ from deployer.agent.engines.torch.loader import (
     load_draft,
     load_model,
     read_json,
-    release_freed_heap,
 )
 from deployer.agent.engines.torch.lora import LoraBank
 from deployer.agent.engines.torch.model import KV_CACHE_TYPES, as_token_ids
@@ -60,6 +59,7 @@ from deployer.agent.engines.torch.sampling import Sampler, choose, new_generator
 from deployer.agent.engines.torch.speculative import DRAFT_TOKENS, Drafter, accepted_run
 from deployer.agent.types import ChatMessage, EngineInfo, SamplingParams, TokenEvent, TokenLogprobs
 from deployer.core.lora import LoraAdapter
+from deployer.core.memory import release_freed_heap
 from deployer.errors import AgentError
 
 _log = logging.getLogger("sits.agent")

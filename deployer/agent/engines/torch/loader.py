@@ -9,7 +9,6 @@ which records the kernel each layer runs.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 from collections.abc import Iterable
@@ -31,6 +30,7 @@ from deployer.agent.engines.torch.qlinear import (
 )
 from deployer.core.fsutil import read_json_object
 from deployer.core.manifest import INTEGER_SCHEMES, MANIFEST_NAME, read_manifest
+from deployer.core.memory import release_freed_heap
 from deployer.core.quant_layout import TORCH_DTYPES, ModuleQuant, dequantize, quantize_int4, quantize_int8
 from deployer.core.safetensors_io import TensorEntry, read_header
 from deployer.errors import AgentError, FormatError
@@ -357,19 +357,6 @@ def build_model(
     model.eval()
     release_freed_heap()
     return LoadedModel(model, args, facts, config, compute, dev, kernels, kernel_note)
-
-
-def release_freed_heap() -> None:
-    """Hand the memory of freed load transients back to the system: glibc keeps freed blocks
-    below its mmap threshold (which grows to 32 MiB as large blocks come and go) in its heap,
-    where they count in the RSS: 0.20 GB of Llama-3-8B int4's 5.33 GB (bench/scale_load.py).
-    Nothing where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 def kv_cache_layout(kv_cache_type: str, dev: torch.device, compute: torch.dtype) -> tuple[str, torch.dtype]:
